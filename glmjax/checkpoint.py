@@ -1,0 +1,189 @@
+"""Hugging Face checkpoint directories: lazy loading into `Weights`, and writing.
+
+A directory holds `config.json` and either `model.safetensors` or a sharded
+`model.safetensors.index.json`. Every tensor is matched against the abstract declaration in
+`glmjax.weights`: a missing or unexpected tensor, or a shape mismatch, is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from glmjax.config import Config
+from glmjax.errors import CheckpointError
+from glmjax.safetensors_io import SafetensorsFile, write
+from glmjax.weights import ArrayInfo, Weights, abstract, leaves_with_info, map_infos
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_FLOAT_SOURCES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16)}
+
+
+class HFCheckpoint:
+  """Tensor name → shard map of an HF checkpoint directory; shards open lazily."""
+
+  def __init__(self, path: str):
+    self.path = path
+    index = os.path.join(path, INDEX)
+    if os.path.exists(index):
+      try:
+        with open(index, encoding="utf-8") as f:
+          weight_map = json.load(f)["weight_map"]
+      except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: corrupt index ({e})") from None
+      self._file_of = {k: os.path.join(path, v) for k, v in weight_map.items()}
+    elif os.path.exists(os.path.join(path, SINGLE)):
+      single = os.path.join(path, SINGLE)
+      self._file_of = {k: single for k in SafetensorsFile(single).keys()}
+    else:
+      raise CheckpointError(f"{path}: no {SINGLE} or {INDEX} found")
+    self._open: dict[str, SafetensorsFile] = {}
+
+  def names(self) -> set[str]:
+    return set(self._file_of)
+
+  def _file(self, name) -> SafetensorsFile:
+    fname = self._file_of[name]
+    if fname not in self._open:
+      f = SafetensorsFile(fname)
+      self._open[fname] = f
+    f = self._open[fname]
+    if name not in f.keys():
+      raise CheckpointError(f"{fname}: tensor {name} is listed in the index but not in the shard")
+    return f
+
+  def info(self, name):
+    return self._file(name).info(name)
+
+  def read(self, name) -> np.ndarray:
+    return self._file(name).read(name)
+
+
+def has_mtp(ckpt: HFCheckpoint, cfg: Config) -> bool:
+  """Whether the checkpoint carries the MTP layer (index num_hidden_layers)."""
+  return f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in ckpt.names()
+
+
+def _ignored(name: str, cfg: Config) -> bool:
+  """Tensors that are present in real checkpoints but unused by design."""
+  if name.endswith("rotary_emb.inv_freq"):
+    return True
+  m = re.match(r"model\.layers\.(\d+)\.", name)
+  # The MTP block never runs the DSA indexer; deeper MTP layers than declared are dropped.
+  return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers and (
+      ".self_attn.indexer." in name or int(m.group(1)) >= cfg.num_hidden_layers +
+      cfg.num_nextn_predict_layers)
+
+
+def _expand(info: ArrayInfo, n_experts: int) -> list[str]:
+  if info.per_expert:
+    return [n.format(e=e) for e in range(n_experts) for n in info.hf_names]
+  return list(info.hf_names)
+
+
+def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: bool = True
+            ) -> tuple[Config, Weights]:
+  """Loads an HF `glm_moe_dsa` checkpoint directory, tensor by tensor."""
+  cfg = cfg or Config.from_json(path)
+  ckpt = HFCheckpoint(path)
+  names = ckpt.names()
+  tree = abstract(cfg, dtype, with_mtp=has_mtp(ckpt, cfg))
+  if tree.mtp and f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight" in names:
+    for j, m in enumerate(tree.mtp):
+      m.head = ArrayInfo((cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"),
+                         (f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
+  expected = {n for i in leaves_with_info(tree) for n in _expand(i, cfg.n_routed_experts)}
+  missing = sorted(expected - names)
+  if missing:
+    more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+    raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{more}")
+  unexpected = sorted(n for n in names - expected if not _ignored(n, cfg))
+  if unexpected:
+    more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+    raise CheckpointError(f"{path}: unexpected tensor(s): {', '.join(unexpected[:5])}{more}")
+
+  infos = leaves_with_info(tree)
+  bar = tqdm(total=len(infos), desc="loading", unit="tensor", disable=not progress, leave=False)
+
+  def load(info: ArrayInfo):
+    parts = []
+    for name in _expand(info, cfg.n_routed_experts):
+      src_dtype, shape = ckpt.info(name)
+      if src_dtype not in _FLOAT_SOURCES:
+        raise CheckpointError(f"{path}: tensor {name} has dtype {src_dtype}; an HF checkpoint "
+                              "must be bf16, fp16 or fp32 (convert FP8 sources to a store)")
+      parts.append((name, ckpt.read(name)))
+    arr = _assemble(info, parts, cfg)
+    bar.update()
+    return jnp.asarray(arr, dtype=info.dtype)
+
+  weights = map_infos(load, tree)
+  bar.close()
+  return cfg, weights
+
+
+def _assemble(info: ArrayInfo, parts, cfg: Config) -> np.ndarray:
+  """Concatenates (and for experts, stacks) the source tensors, checking every shape."""
+  per = len(info.hf_names)
+  want = info.shape[1:] if info.per_expert else info.shape
+  rows = want[0] // per
+  for name, a in parts:
+    if a.shape != (rows, *want[1:]):
+      raise CheckpointError(f"tensor {name}: shape {tuple(a.shape)}, expected "
+                            f"{(rows, *want[1:])} for this config")
+  arrays = [a for _, a in parts]
+  if info.per_expert:
+    groups = [np.concatenate(arrays[e * per:(e + 1) * per], axis=0) if per > 1 else arrays[e]
+              for e in range(cfg.n_routed_experts)]
+    return np.stack(groups)
+  return np.concatenate(arrays, axis=0) if per > 1 else arrays[0]
+
+
+def hf_tensors(weights: Weights, cfg: Config) -> Iterator[tuple[str, np.ndarray]]:
+  """The HF tensors of `weights` (inverse of loading): splits fused and stacked arrays."""
+  tree = abstract(cfg, with_mtp=bool(weights.mtp))
+  import jax
+  for info, arr in zip(leaves_with_info(tree), jax.tree_util.tree_leaves(weights)):
+    arr = np.asarray(arr)
+    per = len(info.hf_names)
+    groups = [(arr[e], {"e": e}) for e in range(arr.shape[0])] if info.per_expert else [(arr, {})]
+    for a, fmt in groups:
+      for name, piece in zip(info.hf_names, np.split(a, per, axis=0)):
+        yield name.format(**fmt), piece
+
+
+def save_hf(weights: Weights, cfg: Config, path: str, dtype=np.float32,
+            shard_bytes: int = 2 << 30, extra_config: dict | None = None) -> None:
+  """Writes an HF checkpoint directory (sharded past `shard_bytes`), config.json included."""
+  os.makedirs(path, exist_ok=True)
+  shards, cur, size = [], {}, 0
+  for name, a in hf_tensors(weights, cfg):
+    a = a.astype(np.float32 if name.endswith(("gate.weight", "e_score_correction_bias",
+                                                  "weights_proj.weight")) else dtype)
+    if cur and size + a.nbytes > shard_bytes:
+      shards.append(cur)
+      cur, size = {}, 0
+    cur[name] = a
+    size += a.nbytes
+  shards.append(cur)
+  if len(shards) == 1:
+    write(os.path.join(path, SINGLE), shards[0], {"format": "pt"})
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      write(os.path.join(path, fname), shard, {"format": "pt"})
+      weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, INDEX), "w") as f:
+      json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+  hf = cfg.to_hf_dict()
+  hf.update(extra_config or {})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)

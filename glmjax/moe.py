@@ -1,0 +1,92 @@
+"""The MoE block in named stages: route, dispatch + expert compute, combine.
+
+Letters: T tokens, D hidden, E routed experts, K experts per token, F expert intermediate.
+
+The combine sums the K expert outputs of a token in top-k rank order with explicit adds, so a
+token's result depends only on its own routing, never on where an expert's weights live or on
+what else is in the batch's cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glmjax.config import Config
+from glmjax.layers import F32, linear, swiglu
+from glmjax.weights import Experts, MoE
+
+# Above this many (token, expert) pairs the float path switches from gathering each pair's
+# weights to a sorted ragged matmul, whose cost does not grow with duplicated experts.
+GATHER_MAX_PAIRS = 64
+
+
+def route(x, router, bias, cfg: Config):
+  """Sigmoid router with a selection-only correction bias.
+
+  Returns (ids `[T, K]` int32 in rank order, weights `[T, K]` float32).
+  """
+  e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+  scores = jax.nn.sigmoid(linear(x.astype(F32), router))  # [T, E]
+  choice = scores + bias.astype(F32)
+  if cfg.n_group > 1:
+    grouped = choice.reshape(-1, cfg.n_group, e // cfg.n_group)  # [T, Gr, E/Gr]
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, Gr]
+    _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+    group_mask = jnp.any(keep[..., None] == jnp.arange(cfg.n_group), axis=-2)  # [T, Gr]
+    choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=-1), choice, -jnp.inf)
+  _, ids = jax.lax.top_k(choice, k)  # [T, K]
+  w = jnp.take_along_axis(scores, ids, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def expert_outputs(x, ids, experts: Experts):
+  """Unweighted outputs `[T, K, D]` of each token's selected experts (float weights).
+
+  Only the selected experts' weights are read: per-pair gathers for a few pairs (decode),
+  otherwise a ragged matmul over pairs sorted by expert.
+  """
+  t, k = ids.shape
+  if t * k <= GATHER_MAX_PAIRS:
+    gu = experts.gate_up[ids]  # [T, K, 2F, D]
+    dn = experts.down[ids]  # [T, K, D, F]
+    h = jnp.einsum("td,tkfd->tkf", x, gu.astype(F32))
+    g, u = jnp.split(h, 2, axis=-1)
+    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(g) * u, dn.astype(F32))
+  flat = ids.reshape(-1)  # [P]
+  order = jnp.argsort(flat, stable=True)
+  xs = jnp.repeat(x, k, axis=0)[order]  # [P, D]
+  sizes = jnp.bincount(flat, length=experts.gate_up.shape[0]).astype(jnp.int32)  # [E]
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[0])
+  h = jax.lax.ragged_dot_general(xs, experts.gate_up.astype(F32), sizes, dims)  # [P, 2F]
+  g, u = jnp.split(h, 2, axis=-1)
+  ys = jax.lax.ragged_dot_general(jax.nn.silu(g) * u, experts.down.astype(F32), sizes, dims)
+  return jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)  # [T, K, D]
+
+
+def combine(ys, w):
+  """Σ_k w[:, k] · ys[:, k] in rank order k = 0..K-1 (explicit adds fix the FP order)."""
+  out = ys[:, 0] * w[:, 0, None]
+  for j in range(1, ys.shape[1]):
+    out = out + ys[:, j] * w[:, j, None]
+  return out
+
+
+def moe(m: MoE, x, cfg: Config):
+  """Routed experts plus the shared expert for `x` `[..., D]`."""
+  shape = x.shape
+  x = x.reshape(-1, shape[-1]).astype(F32)  # [T, D]
+  with jax.named_scope("route"):
+    ids, w = route(x, m.router, m.bias, cfg)
+  with jax.named_scope("experts"):
+    ys = expert_outputs(x, ids, m.experts)
+  with jax.named_scope("combine"):
+    out = combine(ys, w)
+  if m.shared is not None:
+    with jax.named_scope("shared_expert"):
+      out = out + swiglu(x, m.shared.gate_up, m.shared.down)
+  return out.reshape(shape)

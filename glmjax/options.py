@@ -1,0 +1,61 @@
+"""Runtime options: everything that is not architecture.
+
+None of these is a jit static argument unless it changes shapes (the weight dtype does; the
+kernel choice selects a different function rather than retracing one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from glmjax.errors import InputError
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Options accepted by `glmjax.load(path, **options)`.
+
+  Attributes:
+    dtype: storage dtype of the dense weights ("float32", "bfloat16", "float16"); activations
+      and accumulation are float32 regardless.
+    moe_kernel: "pallas", "xla" or "auto" (pallas on GPU/TPU, xla on CPU).
+    progress: show progress bars while loading.
+    max_context: upper bound on prompt + generated tokens (default: the config's
+      max_position_embeddings).
+  """
+
+  dtype: str = "float32"
+  moe_kernel: str = "auto"
+  progress: bool = True
+  max_context: int | None = None
+
+  def __post_init__(self):
+    if self.dtype not in _DTYPES:
+      raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+    if self.moe_kernel not in ("auto", "pallas", "xla"):
+      raise InputError(f"moe_kernel must be 'auto', 'pallas' or 'xla', got {self.moe_kernel!r}")
+    if self.max_context is not None and self.max_context < 1:
+      raise InputError(f"max_context must be positive, got {self.max_context}")
+
+  @classmethod
+  def from_kwargs(cls, **kwargs) -> "Options":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+      raise InputError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    return cls(**kwargs)
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def resolved_moe_kernel(self) -> str:
+    if self.moe_kernel != "auto":
+      return self.moe_kernel
+    return "xla" if jax.default_backend() == "cpu" else "pallas"

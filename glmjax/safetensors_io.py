@@ -1,0 +1,107 @@
+"""Lazy reading and writing of the safetensors format, with every dtype GLM-5 ships.
+
+Hand-written because the `safetensors` package's numpy and flax front ends refuse bfloat16 and
+float8 tensors (they need torch), and torch is a test-only dependency here. The format is small:
+an 8-byte little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}},
+then the raw bytes. Tensors are read one at a time through a memory map, so a checkpoint is never
+in memory at once, and the header is checked against the file size so a truncated shard is
+reported before any tensor is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from glmjax.errors import CheckpointError
+
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+  """One `.safetensors` file, validated on open and read tensor by tensor."""
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      size = os.path.getsize(path)
+      with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+          raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+          raise CheckpointError(f"{path}: truncated or corrupt safetensors header ({n} bytes "
+                                f"claimed, file is {size} bytes)")
+        header = json.loads(f.read(n))
+    except FileNotFoundError:
+      raise CheckpointError(f"{path}: safetensors file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    header.pop("__metadata__", None)
+    self._base = 8 + n
+    self._entries = {}
+    for name, e in header.items():
+      dtype = DTYPES.get(e.get("dtype"))
+      if dtype is None:
+        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {e.get('dtype')!r}")
+      shape = tuple(e["shape"])
+      lo, hi = e["data_offsets"]
+      if hi - lo != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+        raise CheckpointError(f"{path}: tensor {name} byte range does not match shape {shape}")
+      if self._base + hi > size:
+        raise CheckpointError(f"{path}: truncated file: tensor {name} ends at byte "
+                              f"{self._base + hi} but the file has {size} bytes")
+      self._entries[name] = (np.dtype(dtype), shape, lo)
+    self._map = None
+
+  def keys(self):
+    return self._entries.keys()
+
+  def info(self, name):
+    """(dtype, shape) of tensor `name`."""
+    dtype, shape, _ = self._entries[name]
+    return dtype, shape
+
+  def read(self, name) -> np.ndarray:
+    """The tensor as a read-only numpy view of the memory map."""
+    dtype, shape, lo = self._entries[name]
+    if self._map is None:
+      self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+    count = int(np.prod(shape))
+    start = self._base + lo
+    return self._map[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+  """Writes `tensors` atomically (to a temporary name, then renamed)."""
+  header, offset = {}, 0
+  arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+  for name, a in arrays.items():
+    if a.dtype not in _NAMES:
+      raise ValueError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
+    header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
+                    "data_offsets": [offset, offset + a.nbytes]}
+    offset += a.nbytes
+  if metadata:
+    header["__metadata__"] = metadata
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for a in arrays.values():
+      f.write(a.tobytes())
+  os.replace(tmp, path)

@@ -1,0 +1,226 @@
+"""Weight pytrees, declared once abstractly.
+
+`abstract(cfg)` returns a `Weights` tree whose leaves are `ArrayInfo` (shape, dtype, logical
+axes, HF tensor name, init). That single declaration drives random init (`init`), checkpoint
+loading (`glmjax.checkpoint`), checkpoint writing and, later, sharding. Matrices keep the HF
+orientation `[out, in]`, so loading never transposes; gate and up projections are fused into one
+`[2F, D]` matrix (rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.config import Config
+
+
+def _pytree(cls):
+  """Registers a dataclass as a pytree whose fields are all children."""
+  cls = dataclasses.dataclass(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+  """Abstract description of one weight.
+
+  `hf_names` are the checkpoint tensors concatenated (axis 0) to form it; a name containing
+  `{e}` is read once per routed expert and stacked on a new leading axis.
+  """
+
+  shape: tuple[int, ...]
+  dtype: Any
+  axes: tuple[str, ...]
+  hf_names: tuple[str, ...]
+  init: str = "normal"  # normal | ones | zeros
+
+  @property
+  def per_expert(self) -> bool:
+    return "{e}" in self.hf_names[0]
+
+
+def is_info(x) -> bool:
+  return isinstance(x, ArrayInfo)
+
+
+@_pytree
+class MLP:
+  gate_up: Any  # [2F, D]
+  down: Any  # [D, F]
+
+
+@_pytree
+class Experts:
+  gate_up: Any  # [E, 2I, D]
+  down: Any  # [E, D, I]
+
+
+@_pytree
+class MoE:
+  router: Any  # [E, D] float32
+  bias: Any  # [E] float32, e_score_correction_bias
+  experts: Any  # Experts (float, resident) or an offloaded stand-in
+  shared: Any  # MLP | None
+
+
+@_pytree
+class Indexer:
+  wq_b: Any  # [Hi*Di, Q]
+  wk: Any  # [Di, D]
+  k_norm_w: Any  # [Di]
+  k_norm_b: Any  # [Di]
+  weights_proj: Any  # [Hi, D] float32
+
+
+@_pytree
+class Attention:
+  q_a: Any  # [Q, D]
+  q_a_norm: Any  # [Q]
+  q_b: Any  # [H*(Dn+Dr), Q]
+  kv_a: Any  # [C+Dr, D]
+  kv_a_norm: Any  # [C]
+  kv_b: Any  # [H*(Dn+Dv), C]
+  o: Any  # [D, H*Dv]
+  indexer: Any  # Indexer | None ("shared" layers and the MTP layer have none)
+
+
+@_pytree
+class Layer:
+  attn_norm: Any  # [D]
+  attn: Any  # Attention
+  mlp_norm: Any  # [D]
+  mlp: Any  # MLP | MoE
+
+
+@_pytree
+class MTP:
+  enorm: Any  # [D]
+  hnorm: Any  # [D]
+  eh_proj: Any  # [D, 2D]
+  head_norm: Any  # [D], shared_head.norm
+  head: Any  # [V, D] shared_head.head, or None to reuse lm_head
+  layer: Any  # Layer
+
+
+@_pytree
+class Weights:
+  embed: Any  # [V, D]
+  layers: Any  # list[Layer]
+  norm: Any  # [D]
+  lm_head: Any  # [V, D], or None when tied to embed
+  mtp: Any  # list[MTP] (empty when the checkpoint has no MTP layer)
+
+
+# --- the declaration ------------------------------------------------------------------------
+
+def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True) -> Weights:
+  """The abstract weight tree of `cfg`; `dtype` is the storage dtype of non-router weights."""
+  d, f32 = cfg.hidden_size, jnp.float32
+
+  def info(shape, axes, *names, init="normal", dt=None):
+    return ArrayInfo(tuple(shape), dt or dtype, tuple(axes), tuple(names), init)
+
+  def norm(n, name):
+    return info((n,), ("norm",), name, init="ones")
+
+  def mlp(p, f):
+    return MLP(
+        gate_up=info((2 * f, d), ("mlp", "embed"), f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
+        down=info((d, f), ("embed", "mlp"), f"{p}.down_proj.weight"))
+
+  def layer(i):
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    h, q, c, r = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    indexer = None
+    if cfg.has_indexer(i):
+      hi, di = cfg.index_n_heads, cfg.index_head_dim
+      indexer = Indexer(
+          wq_b=info((hi * di, q), ("index_heads", "q_lora"), f"{a}.indexer.wq_b.weight"),
+          wk=info((di, d), ("index_head_dim", "embed"), f"{a}.indexer.wk.weight"),
+          k_norm_w=info((di,), ("norm",), f"{a}.indexer.k_norm.weight", init="ones"),
+          k_norm_b=info((di,), ("norm",), f"{a}.indexer.k_norm.bias", init="zeros"),
+          weights_proj=info((hi, d), ("index_heads", "embed"), f"{a}.indexer.weights_proj.weight",
+                            dt=f32))
+    attn = Attention(
+        q_a=info((q, d), ("q_lora", "embed"), f"{a}.q_a_proj.weight"),
+        q_a_norm=norm(q, f"{a}.q_a_layernorm.weight"),
+        q_b=info((h * cfg.qk_head_dim, q), ("heads", "q_lora"), f"{a}.q_b_proj.weight"),
+        kv_a=info((c + r, d), ("kv_lora", "embed"), f"{a}.kv_a_proj_with_mqa.weight"),
+        kv_a_norm=norm(c, f"{a}.kv_a_layernorm.weight"),
+        kv_b=info((h * (cfg.qk_nope_head_dim + cfg.v_head_dim), c), ("heads", "kv_lora"),
+                  f"{a}.kv_b_proj.weight"),
+        o=info((d, h * cfg.v_head_dim), ("embed", "heads"), f"{a}.o_proj.weight"),
+        indexer=indexer)
+    if cfg.is_moe(i):
+      e, m = cfg.n_routed_experts, cfg.moe_intermediate_size
+      ep = f"{p}.mlp.experts.{{e}}"
+      ffn = MoE(
+          router=info((e, d), ("experts", "embed"), f"{p}.mlp.gate.weight", dt=f32),
+          bias=info((e,), ("experts",), f"{p}.mlp.gate.e_score_correction_bias", init="zeros",
+                    dt=f32),
+          experts=Experts(
+              gate_up=info((e, 2 * m, d), ("experts", "moe_mlp", "embed"),
+                           f"{ep}.gate_proj.weight", f"{ep}.up_proj.weight"),
+              down=info((e, d, m), ("experts", "embed", "moe_mlp"), f"{ep}.down_proj.weight")),
+          shared=(mlp(f"{p}.mlp.shared_experts", cfg.shared_intermediate_size)
+                  if cfg.n_shared_experts else None))
+    else:
+      ffn = mlp(f"{p}.mlp", cfg.intermediate_size)
+    return Layer(attn_norm=norm(d, f"{p}.input_layernorm.weight"), attn=attn,
+                 mlp_norm=norm(d, f"{p}.post_attention_layernorm.weight"), mlp=ffn)
+
+  def mtp(i):
+    p = f"model.layers.{i}"
+    return MTP(enorm=norm(d, f"{p}.enorm.weight"), hnorm=norm(d, f"{p}.hnorm.weight"),
+               eh_proj=info((d, 2 * d), ("embed", "embed2"), f"{p}.eh_proj.weight"),
+               head_norm=norm(d, f"{p}.shared_head.norm.weight"), head=None, layer=layer(i))
+
+  n = cfg.num_hidden_layers
+  return Weights(
+      embed=info((cfg.vocab_size, d), ("vocab", "embed"), "model.embed_tokens.weight"),
+      layers=[layer(i) for i in range(n)],
+      norm=norm(d, "model.norm.weight"),
+      lm_head=None if cfg.tie_word_embeddings else info(
+          (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight"),
+      mtp=[mtp(n + j) for j in range(cfg.num_nextn_predict_layers)] if with_mtp else [])
+
+
+def leaves_with_info(tree: Weights) -> list[ArrayInfo]:
+  return jax.tree_util.tree_leaves(tree, is_leaf=is_info)
+
+
+def map_infos(fn: Callable[[ArrayInfo], Any], tree: Weights) -> Weights:
+  """Maps `fn` over the ArrayInfo leaves, keeping the tree structure."""
+  return jax.tree_util.tree_map(fn, tree, is_leaf=is_info)
+
+
+def init(cfg: Config, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
+         with_mtp: bool = True) -> Weights:
+  """Deterministic random weights (numpy PCG64, identical on every machine).
+
+  Norm weights and router biases are randomised too, so tests are not blind to them.
+  """
+  rng = np.random.default_rng(seed)
+
+  def make(info: ArrayInfo):
+    if info.init == "ones":
+      x = 1.0 + 0.1 * rng.standard_normal(info.shape)
+    elif info.init == "zeros":
+      x = 0.1 * rng.standard_normal(info.shape)
+    else:
+      x = std * rng.standard_normal(info.shape)
+    return jnp.asarray(x, dtype=info.dtype)
+
+  return map_infos(make, abstract(cfg, dtype, with_mtp))
+
+
+def nbytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree_util.tree_leaves(tree, is_leaf=is_info))

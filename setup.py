@@ -1,0 +1,33 @@
+"""glmjax: a JAX inference runtime for GLM-5-class MoE models that do not fit in accelerator memory."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="glmjax",
+    version="0.1.0",
+    description="JAX inference runtime for GLM-5 (glm_moe_dsa) MoE models with expert offload",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["glmjax", "glmjax.*", "pallas_kernels", "pallas_kernels.*"]),
+    include_package_data=True,
+    install_requires=[
+        "jax>=0.10",
+        "numpy>=1.26",
+        "ml_dtypes>=0.5",
+        "safetensors>=0.4",
+        "tensorstore>=0.1.70",
+        "orbax-checkpoint>=0.11",
+        "tokenizers>=0.20",
+        "jinja2>=3.1",
+        "absl-py>=2.0",
+        "tqdm>=4.66",
+        "psutil>=5.9",
+        "optax>=0.2",
+    ],
+    extras_require={
+        # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a
+        # CPU build of torch. Test-only; the runtime never imports them.
+        "test": ["pytest>=8", "transformers>=5.2", "torch==2.13.0"],
+    },
+)

@@ -1,0 +1,92 @@
+"""The public API on the embedded default model, and scripts/generate.py end to end."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import glmjax
+from glmjax.errors import InputError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return glmjax.load(progress=False)
+
+
+def test_embedded_model_exercises_every_feature(model):
+  cfg = model.config
+  assert {"dense", "sparse"} == set(cfg.mlp_layer_types)
+  assert {"full", "shared"} == set(cfg.indexer_types)
+  assert cfg.index_topk < 32  # smaller than a typical prompt, so DSA selection really runs
+  assert cfg.n_group > 1 and len(model.weights.mtp) == 1
+
+
+def test_generate_greedy_is_deterministic_and_consistent(model):
+  prompt = list(range(3, 40))  # longer than index_topk
+  a = model.generate(prompt, 12, stop_ids=[])
+  b = model.generate(prompt, 12, stop_ids=[])
+  assert a.tokens == b.tokens and len(a.tokens) == 12
+  assert all(isinstance(t, int) for t in a.tokens)
+  for key in ("decode_tok_s", "prefill_s", "compile_s", "prompt_tokens", "new_tokens"):
+    assert isinstance(a.stats[key], float)
+  assert a.stats["decode_tok_s"] > 0 and a.stats["new_tokens"] == 12
+  # Greedy cached decoding picks the argmax of the teacher-forced logits at each position.
+  logits = model.score(np.asarray([prompt + a.tokens]))
+  np.testing.assert_array_equal(logits[0, len(prompt) - 1:-1].argmax(-1), a.tokens)
+
+
+def test_generate_stops_at_stop_token(model):
+  prompt = list(range(3, 20))
+  free = model.generate(prompt, 6, stop_ids=[])
+  stop = free.tokens[3]
+  r = model.generate(prompt, 6, stop_ids=[stop])
+  first = free.tokens.index(stop)
+  assert r.tokens == free.tokens[:first] and r.stop_reason == "stop_token"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.score([[1, 2, 5000]]), "outside the vocabulary"),
+    (lambda m: m.score([1, 2, 3]), "shape"),
+    (lambda m: m.score([[0.5, 1.0]]), "integer"),
+    (lambda m: m.generate([], 4), "non-empty"),
+    (lambda m: m.generate([1, 2], -1), "max_new_tokens"),
+    (lambda m: m.generate([1, 2], 10**7), "max_context"),
+    (lambda m: m.generate([1, 2], 3, temperature=-1.0), "temperature"),
+])
+def test_bad_inputs(model, call, message):
+  with pytest.raises(InputError, match=message):
+    call(model)
+
+
+def test_bad_options():
+  with pytest.raises(InputError, match="unknown option"):
+    glmjax.load(None, devcie_cache_gb=3)
+  with pytest.raises(InputError, match="moe_kernel"):
+    glmjax.load(None, moe_kernel="cuda")
+
+
+def _run(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), *args],
+                        capture_output=True, text=True, timeout=300, env=os.environ.copy())
+
+
+def test_generate_script(model):
+  r = _run("--prompt_ids=5,6,7,8", "--max_new_tokens=5")
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.strip().splitlines()
+  want = model.generate([5, 6, 7, 8], 5).tokens
+  assert lines[-2].split() == [str(t) for t in want]
+  assert "tok/s" in lines[-1] and lines[-1].startswith(f"{len(want)} tokens")
+
+
+def test_generate_script_bad_input_is_clean():
+  r = _run("--prompt_ids=5,banana")
+  assert r.returncode == 1
+  assert "error: --prompt_ids" in r.stderr and "Traceback" not in r.stderr
+  r = _run("--model=/does/not/exist")
+  assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
