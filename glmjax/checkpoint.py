@@ -13,6 +13,7 @@ import re
 from typing import Iterator
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
@@ -23,6 +24,7 @@ from glmjax.weights import ArrayInfo, Weights, abstract, leaves_with_info, map_i
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"  # FP8 block scales: `<name>_scale_inv` beside `<name>`
 _FLOAT_SOURCES = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16)}
 
 
@@ -88,11 +90,22 @@ def _expand(info: ArrayInfo, n_experts: int) -> list[str]:
   return list(info.hf_names)
 
 
-def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: bool = True
-            ) -> tuple[Config, Weights]:
-  """Loads an HF `glm_moe_dsa` checkpoint directory, tensor by tensor."""
-  cfg = cfg or Config.from_json(path)
-  ckpt = HFCheckpoint(path)
+def fp8_block_size(path: str) -> tuple[int, int] | None:
+  """`quantization_config.weight_block_size` of an FP8 checkpoint's config.json, else None."""
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    q = json.load(f).get("quantization_config") or {}
+  block = q.get("weight_block_size")
+  if block is None:
+    return None
+  if (not isinstance(block, (list, tuple)) or len(block) != 2
+      or not all(isinstance(b, int) and b > 0 for b in block)):
+    raise CheckpointError(f"{path}/config.json: quantization_config.weight_block_size must be two "
+                          f"positive ints, got {block!r}")
+  return tuple(block)
+
+
+def plan(ckpt: HFCheckpoint, cfg: Config, dtype=jnp.float32) -> Weights:
+  """The abstract tree for this checkpoint, after checking its tensor names against it."""
   names = ckpt.names()
   tree = abstract(cfg, dtype, with_mtp=has_mtp(ckpt, cfg))
   if tree.mtp and f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight" in names:
@@ -103,47 +116,93 @@ def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: b
   missing = sorted(expected - names)
   if missing:
     more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-    raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{more}")
-  unexpected = sorted(n for n in names - expected if not _ignored(n, cfg))
+    raise CheckpointError(f"{ckpt.path}: missing tensor(s): {', '.join(missing[:5])}{more}")
+  scales = {n for n in names if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in expected}
+  unexpected = sorted(n for n in names - expected - scales if not _ignored(n, cfg))
   if unexpected:
     more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-    raise CheckpointError(f"{path}: unexpected tensor(s): {', '.join(unexpected[:5])}{more}")
+    raise CheckpointError(f"{ckpt.path}: unexpected tensor(s): {', '.join(unexpected[:5])}{more}")
+  return tree
+
+
+def read_float(ckpt: HFCheckpoint, name: str, fp8_block=None, check_finite=False) -> np.ndarray:
+  """A source tensor as a float array; FP8 tensors are dequantized with their block scales."""
+  src_dtype, _ = ckpt.info(name)
+  if src_dtype in _FLOAT_SOURCES:
+    a = ckpt.read(name)
+  elif src_dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+    if fp8_block is None:
+      raise CheckpointError(f"{ckpt.path}: tensor {name} is float8_e4m3fn but config.json has no "
+                            "quantization_config.weight_block_size")
+    scale = name + SCALE_SUFFIX
+    if scale not in ckpt.names():
+      raise CheckpointError(f"{ckpt.path}: FP8 tensor {name} has no {scale}")
+    from glmjax.quant import fp8_block_dequantize
+    try:
+      a = np.asarray(fp8_block_dequantize(ckpt.read(name), ckpt.read(scale), fp8_block))
+    except ValueError as e:
+      raise CheckpointError(f"{ckpt.path}: tensor {name}: {e}") from None
+  else:
+    raise CheckpointError(f"{ckpt.path}: tensor {name} has dtype {src_dtype}; expected bf16, "
+                          "fp16, fp32 or float8_e4m3fn")
+  if check_finite and not np.isfinite(a).all():
+    bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
+    raise CheckpointError(f"{ckpt.path}: tensor {name} holds {bad} NaN/Inf value(s)")
+  return a
+
+
+def assemble(info: ArrayInfo, ckpt: HFCheckpoint, cfg: Config, read=None,
+             expert: int | None = None) -> np.ndarray:
+  """Reads the source tensors of `info` (for one `expert`, or all stacked) and checks shapes."""
+  read = read or ckpt.read
+  per = len(info.hf_names)
+  want = info.shape[1:] if info.per_expert else info.shape
+  rows = want[0] // per
+
+  def one(fmt):
+    parts = []
+    for name in info.hf_names:
+      name = name.format(**fmt)
+      a = read(name)
+      if tuple(a.shape) != (rows, *want[1:]):
+        raise CheckpointError(f"{ckpt.path}: tensor {name}: shape {tuple(a.shape)}, expected "
+                              f"{(rows, *want[1:])} for this config")
+      parts.append(a)
+    return np.concatenate(parts, axis=0) if per > 1 else parts[0]
+
+  if not info.per_expert:
+    return one({})
+  if expert is not None:
+    return one({"e": expert})
+  return np.stack([one({"e": e}) for e in range(cfg.n_routed_experts)])
+
+
+def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: bool = True
+            ) -> tuple[Config, Weights]:
+  """Loads an HF `glm_moe_dsa` checkpoint directory (bf16/fp16/fp32), tensor by tensor."""
+  cfg = cfg or Config.from_json(path)
+  ckpt = HFCheckpoint(path)
+  tree = plan(ckpt, cfg, dtype)
+
+  def read(name):
+    src_dtype, _ = ckpt.info(name)
+    if src_dtype not in _FLOAT_SOURCES:
+      raise CheckpointError(f"{path}: tensor {name} has dtype {src_dtype}; an HF checkpoint "
+                            "must be bf16, fp16 or fp32 (convert FP8 sources to a store with "
+                            "scripts/convert.py)")
+    return ckpt.read(name)
 
   infos = leaves_with_info(tree)
   bar = tqdm(total=len(infos), desc="loading", unit="tensor", disable=not progress, leave=False)
 
   def load(info: ArrayInfo):
-    parts = []
-    for name in _expand(info, cfg.n_routed_experts):
-      src_dtype, shape = ckpt.info(name)
-      if src_dtype not in _FLOAT_SOURCES:
-        raise CheckpointError(f"{path}: tensor {name} has dtype {src_dtype}; an HF checkpoint "
-                              "must be bf16, fp16 or fp32 (convert FP8 sources to a store)")
-      parts.append((name, ckpt.read(name)))
-    arr = _assemble(info, parts, cfg)
+    arr = assemble(info, ckpt, cfg, read)
     bar.update()
     return jnp.asarray(arr, dtype=info.dtype)
 
   weights = map_infos(load, tree)
   bar.close()
   return cfg, weights
-
-
-def _assemble(info: ArrayInfo, parts, cfg: Config) -> np.ndarray:
-  """Concatenates (and for experts, stacks) the source tensors, checking every shape."""
-  per = len(info.hf_names)
-  want = info.shape[1:] if info.per_expert else info.shape
-  rows = want[0] // per
-  for name, a in parts:
-    if a.shape != (rows, *want[1:]):
-      raise CheckpointError(f"tensor {name}: shape {tuple(a.shape)}, expected "
-                            f"{(rows, *want[1:])} for this config")
-  arrays = [a for _, a in parts]
-  if info.per_expert:
-    groups = [np.concatenate(arrays[e * per:(e + 1) * per], axis=0) if per > 1 else arrays[e]
-              for e in range(cfg.n_routed_experts)]
-    return np.stack(groups)
-  return np.concatenate(arrays, axis=0) if per > 1 else arrays[0]
 
 
 def hf_tensors(weights: Weights, cfg: Config) -> Iterator[tuple[str, np.ndarray]]:

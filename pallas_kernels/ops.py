@@ -1,0 +1,166 @@
+"""The public grouped int4/int8 MoE op and its backend choice."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from glmjax import quant
+from pallas_kernels import backend as _backend
+from pallas_kernels import common, reference, tuning
+
+_BACKENDS = ("auto", "pallas", "xla")
+
+
+def _check_args(x, pool: quant.ExpertPool, slot_ids, weights) -> None:
+  pool.check()
+  if x.ndim != 2 or x.shape[1] != pool.hidden:
+    raise ValueError(
+        f"x: expected [R, D] with D={pool.hidden}, got shape {tuple(x.shape)}")
+  if slot_ids.ndim != 2 or slot_ids.shape[0] != x.shape[0]:
+    raise ValueError(
+        f"slot_ids: expected [R, K] with R={x.shape[0]}, got shape "
+        f"{tuple(slot_ids.shape)}")
+  if not jnp.issubdtype(slot_ids.dtype, jnp.integer):
+    raise ValueError(f"slot_ids: expected an integer dtype, got {slot_ids.dtype}")
+  if tuple(weights.shape) != tuple(slot_ids.shape):
+    raise ValueError(
+        f"weights: expected shape {tuple(slot_ids.shape)} (same as slot_ids), "
+        f"got {tuple(weights.shape)}")
+
+
+dedupe_slots = reference.dedupe_slots
+
+
+def _split_halves(a, k_padded: int, group: int, halves: int):
+  """a [A, Rx, K] -> per-half [A, Rx, KG, W], zero-padding K to k_padded."""
+  a = jnp.pad(a, ((0, 0), (0, 0), (0, k_padded - a.shape[-1])))
+  a = a.reshape(*a.shape[:2], k_padded // group, halves, group // halves)
+  return tuple(a[..., h, :] for h in range(halves))
+
+
+def _weights_view(q: quant.QArray, parts: int):
+  """QArray [S, parts*N, Kp(/2)] -> packed [S, P, N, KG, W], scales [S, P, N, KG]."""
+  s, rows = q.packed.shape[:2]
+  kg = q.padded_in_features // q.group_size
+  w = q.packed.reshape(s, parts, rows // parts, kg, -1)
+  return w, q.scales.reshape(s, parts, rows // parts, kg)
+
+
+def _pow2_ceil(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "interpret", "flavour", "config", "platform"))
+def _pallas_moe(x, pool: quant.ExpertPool, slot_ids, weights, *, interpret,
+                flavour, config: tuning.BlockConfig, platform):
+  r, d = x.shape
+  i, g, bits = pool.intermediate, pool.gate_up.group_size, pool.gate_up.bits
+  halves = 2 if bits == 4 else 1
+  # Dot mode needs >= 16 rows for the GPU matrix units; fma mode unrolls
+  # exactly the rows present.
+  rx = r if config.mode == "fma" else max(16, _pow2_ceil(r))
+  call = functools.partial(_backend.FLAVOURS[flavour], interpret=interpret,
+                           platform=platform)
+
+  def spec(parts, n, k_padded, block_n):
+    kg = k_padded // g
+    tiling = tuning.fit(block_n, config.block_k, n, kg, g, platform)
+    mode = config.mode
+    if min(tiling.block_n, tiling.groups * g // halves) < 16:
+      mode = "fma"  # GPU dots need every dim >= 16; fma handles any rows
+    return _backend.MatmulSpec(
+        parts=parts, n=n, k_groups=kg, width=g // halves, bits=bits, rows=rx,
+        tiling=tiling, mode=mode, precision=config.precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+  slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
+  with jax.named_scope("dedupe"):
+    uniq, n_unique, inv = dedupe_slots(slot_ids)
+  with jax.named_scope("gate_up"):
+    xf = jnp.pad(x.astype(jnp.float32), ((0, rx - r), (0, 0)))  # [Rx, D]
+    kp_d = pool.gate_up.padded_in_features
+    xs = _split_halves(xf[None], kp_d, g, halves)  # [1, Rx, KG, W] each
+    w, s = _weights_view(pool.gate_up, 2)
+    h = call(spec(2, i, kp_d, config.block_n), xs, w, s, uniq, n_unique)
+  with jax.named_scope("down"):
+    kp_i = pool.down.padded_in_features
+    hs = _split_halves(h, kp_i, g, halves)  # [U, Rx, IG, W] each
+    w, s = _weights_view(pool.down, 1)
+    y = call(spec(1, d, kp_i, config.block_n_down), hs, w, s, uniq, n_unique)
+  with jax.named_scope("combine"):
+    terms = y[inv, jnp.arange(r)[:, None]]  # [R, K, D]
+    return reference.combine_in_order(terms, weights)
+
+
+@jax.jit
+def _reference_jit(x, pool, slot_ids, weights):
+  slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
+  return reference.grouped_moe_reference(x, pool, slot_ids, weights)
+
+
+def grouped_moe(x, pool: quant.ExpertPool, slot_ids, weights, *,
+                backend: str = "auto", interpret: bool | None = None,
+                flavour: str | None = None,
+                config: tuning.BlockConfig | None = None):
+  """Routed-expert FFN for a few token rows over a pool of quantized experts.
+
+  ``out[r] = sum_{k=0..K-1} weights[r, k] * down_e(silu(gate_e x[r]) * up_e x[r])``
+  with ``e = slot_ids[r, k]``, summed in rank order k = 0..K-1.
+
+  Args:
+    x: [R, D] activations (any float dtype).
+    pool: ExpertPool with gate_up [S, 2I, D] and down [S, D, I].
+    slot_ids: [R, K] int pool slots. Out-of-range ids are clamped (there is
+      no bounds check on device).
+    weights: [R, K] routing weights.
+    backend: "pallas", "xla", or "auto" (pallas on GPU/TPU, xla on CPU).
+    interpret: run the Pallas kernels in interpret mode (default: on CPU).
+    flavour: "pointer" (GPU) or "prefetch" (TPU; scalar-prefetched
+      BlockSpecs); default by platform, "prefetch" when interpreting on CPU.
+    config: override the tuning-table BlockConfig.
+
+  Returns:
+    [R, D] float32. Each (r, k) term is independent of which slot an expert
+    occupies and of the other selections, so results are bitwise identical
+    under any permutation of the pool.
+  """
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+  _check_args(x, pool, slot_ids, weights)
+  plat = common.platform()
+  if backend == "auto":
+    backend = "xla" if plat == "cpu" else "pallas"
+  if backend == "xla":
+    return _reference_jit(x, pool, slot_ids, weights)
+  if interpret is None:
+    interpret = plat == "cpu"
+  if not interpret and plat == "cpu":
+    raise ValueError("backend='pallas' on CPU needs interpret=True")
+  if flavour is None:
+    flavour = "pointer" if (plat == "gpu" and not interpret) else "prefetch"
+  if flavour not in _backend.FLAVOURS:
+    raise ValueError(
+        f"flavour: expected one of {tuple(_backend.FLAVOURS)}, got {flavour!r}")
+  g = pool.gate_up.group_size
+  if not interpret and (g & (g - 1) or g < 4):
+    # Triton tensors must have power-of-two sizes; groups are loaded whole.
+    raise ValueError(
+        f"pool: group_size must be a power of two >= 4 for compiled Pallas "
+        f"kernels, got {g}")
+  if not interpret and flavour == "pointer":
+    for name, q in (("gate_up", pool.gate_up), ("down", pool.down)):
+      if q.packed.size >= 2**31:
+        # Triton-Pallas addresses whole-array refs with int32 offsets.
+        raise ValueError(
+            f"pool.{name}: {q.packed.size} packed elements overflow the "
+            "int32 offsets of the GPU kernel; use a pool of fewer slots "
+            f"(< {2**31 // (q.packed.size // pool.num_slots)})")
+  if config is None:
+    config = tuning.lookup(x.shape[0], pool.hidden, pool.intermediate,
+                           pool.gate_up.bits, g)
+  return _pallas_moe(x, pool, slot_ids, weights, interpret=interpret,
+                     flavour=flavour, config=config, platform=plat)

@@ -1,0 +1,95 @@
+"""Pure-JAX grouped MoE: the XLA fallback and the shared combine step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from glmjax import quant
+
+
+def combine_in_order(terms, weights):
+  """``sum_k weights[r, k] * terms[r, k]`` accumulated strictly for k = 0..K-1.
+
+  terms [R, K, D] f32, weights [R, K] -> [R, D] f32. Written as an explicit
+  chain (not a reduction) so the summation order is fixed and every backend
+  and every slot assignment adds the same terms in the same order.
+  """
+  w = weights.astype(jnp.float32)
+  out = terms[:, 0] * w[:, 0, None]
+  for k in range(1, terms.shape[1]):
+    out = out + terms[:, k] * w[:, k, None]
+  return out
+
+
+def take_experts(q: quant.QArray, ids) -> quant.QArray:
+  """Gathers experts ``ids`` (any int shape) from a slot-stacked QArray."""
+  return quant.QArray(
+      packed=jnp.take(q.packed, ids, axis=0, mode="clip"),
+      scales=jnp.take(q.scales, ids, axis=0, mode="clip"),
+      bits=q.bits, group_size=q.group_size, in_features=q.in_features)
+
+
+def dedupe_slots(slot_ids, bound: int | None = None):
+  """Unique slots with a static bound (default ``U = R * K``).
+
+  slot_ids [R, K] -> (uniq [U] int32 ascending, then the largest id repeated
+  as padding; n [1] int32 real entries; inv [R, K] index of each id in uniq).
+  ``bound`` must be >= the number of distinct ids (e.g. the pool size).
+  """
+  r, k = slot_ids.shape
+  u = r * k if bound is None else min(bound, r * k)
+  flat = slot_ids.reshape(-1).astype(jnp.int32)  # [R*K]
+  srt = jnp.sort(flat)
+  is_new = jnp.concatenate([jnp.ones((1,), bool), srt[1:] != srt[:-1]])
+  n = jnp.sum(is_new, dtype=jnp.int32)
+  pos = jnp.cumsum(is_new) - 1
+  # Duplicate positions write equal values, so the scatter is deterministic.
+  uniq = jnp.zeros((u,), jnp.int32).at[pos].set(srt, mode="drop")
+  # Padding repeats the last real slot: a repeated block index is not
+  # fetched again, and searchsorted still finds the first (real) entry.
+  uniq = jnp.where(jnp.arange(u) < n, uniq, uniq[n - 1])
+  inv = jnp.searchsorted(uniq, flat, side="left").astype(jnp.int32)
+  return uniq, n.reshape(1), inv.reshape(r, k)
+
+
+def _swiglu_down(h, pool: quant.ExpertPool, down_w, spec: str):
+  i = pool.intermediate
+  act = jax.nn.silu(h[..., :i]) * h[..., i:]
+  return jnp.einsum(spec, act, down_w, precision=lax.Precision.HIGHEST)
+
+
+def expert_terms(x, pool: quant.ExpertPool, slot_ids):
+  """Per (row, rank) expert outputs ``down_e(silu(gate_e x_r) * up_e x_r)``.
+
+  x [R, D], slot_ids [R, K] -> [R, K, D] f32. Only selected experts are
+  gathered and dequantized. With few rows (R*K <= S, decode) each (r, k) is
+  its own matrix-vector product; with many rows each distinct expert is
+  dequantized once and applied to all rows, then (r, k) picks its row. In
+  both cases a term never depends on slot positions or other selections.
+  """
+  hp = lax.Precision.HIGHEST
+  xf = x.astype(jnp.float32)
+  r, k = slot_ids.shape
+  if r * k <= pool.num_slots:
+    with jax.named_scope("per_pair"):
+      gu = quant.dequantize(take_experts(pool.gate_up, slot_ids))  # [R, K, 2I, D]
+      h = jnp.einsum("rd,rkid->rki", xf, gu, precision=hp)  # [R, K, 2I]
+      dn = quant.dequantize(take_experts(pool.down, slot_ids))  # [R, K, D, I]
+      return _swiglu_down(h, pool, dn, "rki,rkdi->rkd")  # [R, K, D]
+  with jax.named_scope("per_expert"):
+    uniq, _, inv = dedupe_slots(slot_ids, pool.num_slots)
+    gu = quant.dequantize(take_experts(pool.gate_up, uniq))  # [U, 2I, D]
+    h = jnp.einsum("rd,uid->uri", xf, gu, precision=hp)  # [U, R, 2I]
+    dn = quant.dequantize(take_experts(pool.down, uniq))  # [U, D, I]
+    y = _swiglu_down(h, pool, dn, "uri,udi->urd")  # [U, R, D]
+    return y[inv, jnp.arange(r)[:, None]]  # [R, K, D]
+
+
+def grouped_moe_reference(x, pool: quant.ExpertPool, slot_ids, weights):
+  """XLA grouped MoE with the same contract as ``pallas_kernels.grouped_moe``."""
+  with jax.named_scope("moe_reference"):
+    terms = expert_terms(x, pool, slot_ids)
+    with jax.named_scope("combine"):
+      return combine_in_order(terms, weights)

@@ -1,0 +1,211 @@
+"""Tests for glmjax.quant: quantization error, packing layout, FP8 blocks."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmjax import quant
+
+QMAX = {4: 7, 8: 127}
+
+
+def _scaled_random(rng, shape):
+  # Rows with very different magnitudes, so per-group scales matter.
+  w = rng.standard_normal(shape)
+  return (w * np.exp(rng.uniform(-6, 3, shape[:-1] + (1,)))).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("shape", [(48, 256), (3, 20, 100)])
+def test_error_within_half_step(bits, group, shape):
+  rng = np.random.default_rng(bits * 1000 + group)
+  w = _scaled_random(rng, shape)
+  q = quant.quantize(w, bits=bits, group_size=group)
+  q.check()
+  deq = np.asarray(quant.dequantize(q)).astype(np.float64)
+  assert deq.shape == w.shape
+  k = shape[-1]
+  s = np.repeat(np.asarray(q.scales, np.float64), group, axis=-1)[..., :k]
+  err = np.abs(w.astype(np.float64) - deq)
+  # Rounding to the nearest multiple of s is off by at most s/2. When bf16
+  # rounds the scale down, amax/s exceeds qmax by at most qmax * 2^-9 < 0.5,
+  # which still rounds to qmax, so no element breaks the bound; the relative
+  # slack only absorbs float64 rounding in w / s.
+  assert np.all(err <= s / 2 * (1 + 1e-9)), np.max(err / np.maximum(s, 1e-300))
+
+
+def test_int4_packed_layout_exact_bytes():
+  # One group of G=4: byte j holds q[j] (low) and q[j + 2] (high), +8 offset.
+  q = np.array([[-8, 7, 0, -1]])
+  packed = quant.pack_int4(q, group_size=4)
+  assert packed.dtype == np.uint8
+  np.testing.assert_array_equal(packed, [[(0 | (8 << 4)), (15 | (7 << 4))]])
+
+
+@pytest.mark.parametrize("group", [2, 32, 64, 128])
+def test_pack_unpack_round_trip(group):
+  rng = np.random.default_rng(group)
+  q = rng.integers(-8, 8, size=(3, 5, 4 * group)).astype(np.int8)
+  packed = quant.pack_int4(q, group)
+  assert packed.shape == (3, 5, 2 * group)
+  np.testing.assert_array_equal(np.asarray(quant.unpack_int4(packed, group)), q)
+  # Every byte pattern is a valid encoding: bytes -> ints -> bytes is exact.
+  raw = rng.integers(0, 256, size=(7, 2 * group)).astype(np.uint8)
+  back = quant.pack_int4(np.asarray(quant.unpack_int4(raw, group)), group)
+  np.testing.assert_array_equal(back, raw)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_representable_values_are_exact(bits):
+  rng = np.random.default_rng(7)
+  o, k, g = 16, 128, 32
+  qmax = QMAX[bits]
+  ints = rng.integers(-qmax, qmax + 1, size=(o, k))
+  ints[:, ::g] = qmax  # amax of every group is exactly qmax * s
+  s = rng.uniform(0.01, 2.0, size=(o, k // g)).astype(ml_dtypes.bfloat16)
+  w = ints * np.repeat(s.astype(np.float64), g, axis=1)
+  q = quant.quantize(w, bits=bits, group_size=g)
+  np.testing.assert_array_equal(np.asarray(q.scales), s)
+  np.testing.assert_array_equal(np.asarray(quant.dequantize(q), np.float64), w)
+
+
+def test_non_divisible_in_features():
+  rng = np.random.default_rng(3)
+  w = _scaled_random(rng, (10, 100))
+  q = quant.quantize(w, bits=4, group_size=64)
+  assert q.packed.shape == (10, 64) and q.scales.shape == (10, 2)
+  assert q.in_features == 100 and q.padded_in_features == 128
+  assert q.shape == (10, 100)
+  ints = np.asarray(quant.unpack_int4(q.packed, 64))
+  np.testing.assert_array_equal(ints[:, 100:], 0)  # zero padding stays zero
+  deq = np.asarray(quant.dequantize(q))
+  assert deq.shape == (10, 100)
+  s = np.repeat(np.asarray(q.scales, np.float64), 64, axis=1)[:, :100]
+  assert np.all(np.abs(deq - w) <= s / 2 * (1 + 1e-9))
+
+
+def test_int8_layout():
+  rng = np.random.default_rng(4)
+  w = _scaled_random(rng, (6, 96))
+  q = quant.quantize(w, bits=8, group_size=32)
+  assert q.packed.dtype == np.int8 and q.packed.shape == (6, 96)
+  assert q.scales.dtype == jnp.bfloat16 and q.scales.shape == (6, 3)
+  assert np.abs(q.packed).max() == 127  # the amax element hits qmax
+  assert q.packed.min() >= -127
+
+
+def test_all_zero_group():
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((4, 128)).astype(np.float32)
+  w[1, 64:] = 0.0  # one zero group
+  w[2] = 0.0  # a zero row
+  with np.errstate(all="raise"):  # no division by zero anywhere
+    q = quant.quantize(w, bits=4, group_size=64)
+  scales = np.asarray(q.scales, np.float32)
+  assert scales[1, 1] == 0 and np.all(scales[2] == 0) and np.all(scales[0] > 0)
+  ints = np.asarray(quant.unpack_int4(q.packed, 64))
+  np.testing.assert_array_equal(ints[1, 64:], 0)
+  deq = np.asarray(quant.dequantize(q))
+  assert np.isfinite(deq).all()
+  np.testing.assert_array_equal(deq[1, 64:], 0)
+  np.testing.assert_array_equal(deq[2], 0)
+
+
+def _fp8_loop_reference(w8, scale_inv, bo, bi):
+  w = w8.astype(np.float64)
+  out = np.empty(w.shape, np.float64)
+  for i in range(w.shape[0]):
+    for j in range(w.shape[1]):
+      out[i, j] = w[i, j] * np.float64(scale_inv[i // bo, j // bi])
+  return out
+
+
+@pytest.mark.parametrize("shape,block", [
+    ((256, 384), (128, 128)),
+    ((200, 300), (128, 128)),  # partial edge blocks in both dims
+    ((130, 70), (64, 32)),  # non-square blocks, partial edges
+])
+def test_fp8_block_dequantize(shape, block):
+  rng = np.random.default_rng(shape[0])
+  w8 = (rng.standard_normal(shape) * 50).astype(ml_dtypes.float8_e4m3fn)
+  sshape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+  scale_inv = rng.uniform(1e-4, 1e-2, sshape).astype(np.float32)
+  out = quant.fp8_block_dequantize(w8, scale_inv, block_size=block)
+  assert out.dtype == np.float32 and out.shape == shape
+  ref = _fp8_loop_reference(w8, scale_inv, *block)
+  # fp8 (4 significant bits) x f32 scale (24 bits) is exact in float64, so
+  # float32 product rounds once, exactly like casting the reference: no slack.
+  np.testing.assert_array_equal(out, ref.astype(np.float32))
+  out_j = quant.fp8_block_dequantize(jnp.asarray(w8), jnp.asarray(scale_inv),
+                                     block_size=block)
+  np.testing.assert_array_equal(np.asarray(out_j), out)
+
+
+def test_fp8_scale_shape_checked():
+  w8 = np.zeros((200, 300), ml_dtypes.float8_e4m3fn)
+  with pytest.raises(ValueError, match="scale_inv"):
+    quant.fp8_block_dequantize(w8, np.ones((1, 2), np.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qarray_shapes_match_quantize(bits):
+  w = np.random.default_rng(0).standard_normal((2, 24, 100)).astype(np.float32)
+  q = quant.quantize(w, bits=bits, group_size=32)
+  abstract = quant.qarray_shapes(24, 100, bits, 32, lead=(2,))
+  for leaf, spec in zip(jax.tree.leaves(q), jax.tree.leaves(abstract)):
+    assert leaf.shape == spec.shape and leaf.dtype == spec.dtype
+  assert abstract.nbytes == q.nbytes == q.packed.nbytes + q.scales.nbytes
+  assert jax.tree.structure(abstract) == jax.tree.structure(q)
+
+
+def test_pytree_and_jit():
+  w = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
+  q = quant.quantize(w, bits=4, group_size=32)
+  leaves, tree = jax.tree.flatten(q)
+  assert len(leaves) == 2
+  q2 = jax.tree.unflatten(tree, leaves)
+  assert (q2.bits, q2.group_size, q2.in_features) == (4, 32, 64)
+  np.testing.assert_array_equal(np.asarray(jax.jit(quant.dequantize)(q)),
+                                np.asarray(quant.dequantize(q)))
+
+
+def test_expert_layout_and_stack():
+  rng = np.random.default_rng(2)
+  i, d = 48, 80
+  experts = []
+  for _ in range(3):
+    gate, up = rng.standard_normal((2, i, d))
+    down = rng.standard_normal((d, i))
+    experts.append(quant.quantize_expert(gate, up, down, bits=4, group_size=32))
+  e0 = experts[0]
+  assert e0.gate_up.shape == (2 * i, d) and e0.down.shape == (d, i)
+  pool = quant.stack_experts(experts)
+  assert pool.num_slots == 3 and pool.hidden == d and pool.intermediate == i
+  assert pool.gate_up.shape == (3, 2 * i, d) and pool.down.shape == (3, d, i)
+  # Rows I.. of the fused matrix are up_proj.
+  np.testing.assert_array_equal(
+      np.asarray(quant.dequantize(pool.gate_up))[1, i:],
+      np.asarray(quant.dequantize(experts[1].gate_up))[i:])
+  bad = quant.quantize_expert(*rng.standard_normal((2, i, d)),
+                              rng.standard_normal((d, i)), bits=4,
+                              group_size=16)
+  with pytest.raises(ValueError, match="experts"):
+    quant.stack_experts([e0, bad])
+
+
+def test_bad_arguments():
+  w = np.ones((4, 64), np.float32)
+  with pytest.raises(ValueError, match="bits"):
+    quant.quantize(w, bits=3)
+  with pytest.raises(ValueError, match="group_size"):
+    quant.quantize(w, bits=4, group_size=5)
+  with pytest.raises(ValueError, match="w:"):
+    quant.quantize(np.ones(8), bits=4)
+  with pytest.raises(ValueError, match="down"):
+    quant.quantize_expert(np.ones((8, 16)), np.ones((8, 16)), np.ones((8, 16)))
+  q = quant.quantize(w, bits=4, group_size=32)
+  with pytest.raises(ValueError, match="scales"):
+    quant.QArray(q.packed, q.scales[:, :1], 4, 32, 64).check()
