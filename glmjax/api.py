@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax import checkpoint, embedded
+from glmjax import checkpoint, embedded, store
 from glmjax.config import Config
 from glmjax.errors import CheckpointError, InputError
 from glmjax.model import decode_fn, init_cache, prefill_fn, score_fn
@@ -86,7 +86,8 @@ class Model:
     arr = self._tokens(tokens, 2)
     if arr.shape[1] > self._max_context():
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
-    return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config), np.float32)
+    return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
+                               kernel=self.options.resolved_moe_kernel), np.float32)
 
   def generate(self, prompt_tokens: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -116,8 +117,10 @@ class Model:
     n_valid = jnp.asarray(n, jnp.int32)
 
     t0 = time.perf_counter()
-    prefill, _ = self._compile("prefill", prefill_fn, w, cache, toks, n_valid, cfg=cfg)
-    step, _ = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg)
+    kernel = self.options.resolved_moe_kernel
+    prefill, _ = self._compile("prefill", prefill_fn, w, cache, toks, n_valid, cfg=cfg,
+                               kernel=kernel)
+    step, _ = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg, kernel=kernel)
     compile_s = time.perf_counter() - t0
 
     from glmjax import sampling  # the sampler module is optional until text support lands
@@ -159,7 +162,8 @@ class Model:
 
 
 def load(path: str | os.PathLike | None = None, **options) -> Model:
-  """Loads a model: an HF `glm_moe_dsa` checkpoint directory, or the embedded default.
+  """Loads a model: an HF `glm_moe_dsa` checkpoint directory, a converted expert store
+  (`scripts/convert.py`), or, with no path, the embedded default.
 
   Options are those of `glmjax.options.Options` (dtype, moe_kernel, progress, max_context).
   """
@@ -169,6 +173,8 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: model directory not found")
-  cfg = Config.from_json(path)
-  cfg, weights = checkpoint.load_hf(path, cfg, dtype=opts.jnp_dtype, progress=opts.progress)
+  if store.is_store(path):
+    cfg, weights = store.load_store(path, dtype=opts.jnp_dtype, progress=opts.progress)
+  else:
+    cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
   return Model(cfg, weights, opts, path)

@@ -84,7 +84,7 @@ def _ignored(name: str, cfg: Config) -> bool:
       cfg.num_nextn_predict_layers)
 
 
-def _expand(info: ArrayInfo, n_experts: int) -> list[str]:
+def expand_names(info: ArrayInfo, n_experts: int) -> list[str]:
   if info.per_expert:
     return [n.format(e=e) for e in range(n_experts) for n in info.hf_names]
   return list(info.hf_names)
@@ -112,7 +112,7 @@ def plan(ckpt: HFCheckpoint, cfg: Config, dtype=jnp.float32) -> Weights:
     for j, m in enumerate(tree.mtp):
       m.head = ArrayInfo((cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"),
                          (f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
-  expected = {n for i in leaves_with_info(tree) for n in _expand(i, cfg.n_routed_experts)}
+  expected = {n for i in leaves_with_info(tree) for n in expand_names(i, cfg.n_routed_experts)}
   missing = sorted(expected - names)
   if missing:
     more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""

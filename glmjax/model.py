@@ -42,7 +42,7 @@ def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVC
 
 
 def layer_forward(lw, x, positions, cfg: Config, cache=None, start=None, selection=None,
-                  absorbed=False):
+                  absorbed=False, kernel="xla"):
   """One decoder layer: x + attn(norm x), then + ffn(norm x). Returns (x, cache, selection)."""
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -51,7 +51,7 @@ def layer_forward(lw, x, positions, cfg: Config, cache=None, start=None, selecti
   h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if isinstance(lw.mlp, MoE):
     with jax.named_scope("moe"):
-      x = x + moe(lw.mlp, h, cfg)
+      x = x + moe(lw.mlp, h, cfg, kernel)
   else:
     with jax.named_scope("mlp"):
       x = x + swiglu(h, lw.mlp.gate_up, lw.mlp.down)
@@ -64,7 +64,8 @@ def logits_of(w: Weights, x, cfg: Config):
   return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), head)
 
 
-def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False):
+def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
+            kernel="xla"):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
@@ -75,7 +76,8 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   new_layers, selection = [], None
   for i, lw in enumerate(w.layers):
     lc = None if cache is None else cache.layers[i]
-    x, lc, selection = layer_forward(lw, x, positions, cfg, lc, start, selection, absorbed)
+    x, lc, selection = layer_forward(lw, x, positions, cfg, lc, start, selection, absorbed,
+                                     kernel)
     new_layers.append(lc)
   new_cache = None if cache is None else KVCache(new_layers, cache.length)
   return logits_of(w, x, cfg), x, new_cache
@@ -83,27 +85,30 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
 
 # --- jitted entry points -------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def score_fn(w: Weights, tokens, cfg: Config):
+# `kernel` ("xla" | "pallas") selects the MoE backend for quantized experts; it is static because
+# it selects different code, not because it changes shapes.
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel"))
+def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "xla"):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache."""
-  return forward(w, tokens, cfg)[0]
+  return forward(w, tokens, cfg, kernel=kernel)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
+def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "xla"):
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache.
 
   Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache). Padding
   positions land beyond `length` and are overwritten before any query can see them.
   """
-  logits, x, cache = forward(w, tokens, cfg, cache)
+  logits, x, cache = forward(w, tokens, cfg, cache, kernel=kernel)
   last = n_valid - 1
   cache = KVCache(cache.layers, cache.length + n_valid)
   return logits[:, last], x[:, last], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
+def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "xla"):
   """One step for `tokens` `[B, S]` (S = 1, or 1 + drafts) on the absorbed path."""
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=True)
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=True, kernel=kernel)
   return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from glmjax.config import Config
 from glmjax.layers import F32, linear, swiglu
+from glmjax.quant import ExpertPool
 from glmjax.weights import Experts, MoE
+from pallas_kernels import grouped_moe
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
 # weights to a sorted ragged matmul, whose cost does not grow with duplicated experts.
@@ -76,16 +78,25 @@ def combine(ys, w):
   return out
 
 
-def moe(m: MoE, x, cfg: Config):
-  """Routed experts plus the shared expert for `x` `[..., D]`."""
+def moe(m: MoE, x, cfg: Config, kernel: str = "xla"):
+  """Routed experts plus the shared expert for `x` `[..., D]`.
+
+  `m.experts` is either float `Experts` or a quantized `ExpertPool` holding every expert of the
+  layer in slot = expert id order; the latter runs through the grouped MoE op (`kernel` picks
+  its Pallas or XLA backend), whose combine follows the same rank order.
+  """
   shape = x.shape
   x = x.reshape(-1, shape[-1]).astype(F32)  # [T, D]
   with jax.named_scope("route"):
     ids, w = route(x, m.router, m.bias, cfg)
-  with jax.named_scope("experts"):
-    ys = expert_outputs(x, ids, m.experts)
-  with jax.named_scope("combine"):
-    out = combine(ys, w)
+  if isinstance(m.experts, ExpertPool):
+    with jax.named_scope("experts"):
+      out = grouped_moe(x, m.experts, ids, w, backend=kernel)
+  else:
+    with jax.named_scope("experts"):
+      ys = expert_outputs(x, ids, m.experts)
+    with jax.named_scope("combine"):
+      out = combine(ys, w)
   if m.shared is not None:
     with jax.named_scope("shared_expert"):
       out = out + swiglu(x, m.shared.gate_up, m.shared.down)

@@ -3,7 +3,7 @@
 Hand-written because the `safetensors` package's numpy and flax front ends refuse bfloat16 and
 float8 tensors (they need torch), and torch is a test-only dependency here. The format is small:
 an 8-byte little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}},
-then the raw bytes. Tensors are read one at a time through a memory map, so a checkpoint is never
+then the raw bytes. Tensors are read one at a time with pread, so a checkpoint is never
 in memory at once, and the header is checked against the file size so a truncated shard is
 reported before any tensor is used.
 """
@@ -64,7 +64,6 @@ class SafetensorsFile:
         raise CheckpointError(f"{path}: truncated file: tensor {name} ends at byte "
                               f"{self._base + hi} but the file has {size} bytes")
       self._entries[name] = (np.dtype(dtype), shape, lo)
-    self._map = None
 
   def keys(self):
     return self._entries.keys()
@@ -75,13 +74,25 @@ class SafetensorsFile:
     return dtype, shape
 
   def read(self, name) -> np.ndarray:
-    """The tensor as a read-only numpy view of the memory map."""
+    """The tensor, read with one pread into a fresh buffer.
+
+    Not a memory map: mapped pages stay in the process's RSS after use, so streaming a
+    checkpoint through a map would grow RSS to the checkpoint's size.
+    """
     dtype, shape, lo = self._entries[name]
-    if self._map is None:
-      self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-    count = int(np.prod(shape))
-    start = self._base + lo
-    return self._map[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+    n = int(np.prod(shape)) * dtype.itemsize
+    buf = bytearray(n)
+    fd = os.open(self.path, os.O_RDONLY)
+    try:
+      got, view = 0, memoryview(buf)
+      while got < n:
+        k = os.preadv(fd, [view[got:]], self._base + lo + got)
+        if k <= 0:
+          raise CheckpointError(f"{self.path}: short read of tensor {name}")
+        got += k
+    finally:
+      os.close(fd)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):

@@ -28,22 +28,22 @@ def hf_config(**overrides) -> GlmMoeDsaConfig:
   return GlmMoeDsaConfig(**{**BASE, **overrides})
 
 
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-      p.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+      p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
     for name, b in model.named_buffers():
       if "e_score_correction_bias" in name:
         b.copy_(0.1 * torch.randn(b.shape, generator=gen))
   return model.eval()
 
 
-def make_hf(path: str, seed: int = 0, **overrides) -> GlmMoeDsaForCausalLM:
+def make_hf(path: str, seed: int = 0, std: float = 0.2, **overrides) -> GlmMoeDsaForCausalLM:
   """Builds, randomises and saves a tiny HF model at `path`; returns the torch model."""
   torch.manual_seed(seed)
-  model = randomize(GlmMoeDsaForCausalLM(hf_config(**overrides)), seed)
+  model = randomize(GlmMoeDsaForCausalLM(hf_config(**overrides)), seed, std)
   model.save_pretrained(path)
   return model
 
@@ -79,3 +79,46 @@ def shard(path: str, n: int = 3) -> None:
   os.remove(os.path.join(path, SINGLE))
   with open(os.path.join(path, INDEX), "w") as f:
     json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+FP8_SKIP = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "e_score_correction_bias",
+            "weights_proj")
+
+
+def to_fp8(src: str, dst: str, block=(16, 24)) -> None:
+  """Writes an FP8 (float8_e4m3fn + `weight_scale_inv`) copy of a single-file checkpoint, with
+  block scales as in GLM-5-FP8; `block` need not divide the matrices."""
+  import json
+  import shutil
+  import ml_dtypes
+  from glmjax.safetensors_io import SafetensorsFile, write
+  os.makedirs(dst, exist_ok=True)
+  f = SafetensorsFile(os.path.join(src, "model.safetensors"))
+  out = {}
+  bo, bi = block
+  for name in f.keys():
+    w = np.array(f.read(name), dtype=np.float32)
+    if w.ndim != 2 or any(s in name for s in FP8_SKIP):
+      out[name] = w
+      continue
+    o, i = w.shape
+    nb_o, nb_i = -(-o // bo), -(-i // bi)
+    scale = np.zeros((nb_o, nb_i), np.float32)
+    q = np.zeros_like(w)
+    for a in range(nb_o):
+      for b in range(nb_i):
+        blk = w[a * bo:(a + 1) * bo, b * bi:(b + 1) * bi]
+        scale[a, b] = max(np.abs(blk).max(), 1e-12) / 448.0
+        q[a * bo:(a + 1) * bo, b * bi:(b + 1) * bi] = blk / scale[a, b]
+    out[name] = q.astype(ml_dtypes.float8_e4m3fn)
+    out[name + "_scale_inv"] = scale
+  write(os.path.join(dst, "model.safetensors"), out)
+  with open(os.path.join(src, "config.json")) as fh:
+    cfg = json.load(fh)
+  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": list(block)}
+  with open(os.path.join(dst, "config.json"), "w") as fh:
+    json.dump(cfg, fh)
+  for extra in ("generation_config.json",):
+    if os.path.exists(os.path.join(src, extra)):
+      shutil.copyfile(os.path.join(src, extra), os.path.join(dst, extra))

@@ -1,0 +1,288 @@
+"""The expert store: quantized routed experts in tensorstore zarr v3 arrays, dense weights in
+orbax checkpoints, and a manifest written last.
+
+Layout of a store directory (format 1):
+
+    manifest.json          written last; a directory without it is never loaded
+    config.json            the source config (minus any FP8 quantization_config)
+    generation_config.json, tokenizer.json, tokenizer_config.json   copied when present
+    dense/<part>/          orbax checkpoints, one per part: "global" (embed, final norm,
+                           lm_head), "layer_NNN" (attention, norms, router, shared expert or
+                           dense MLP of layer NNN), "mtp_N" (the MTP block's dense weights)
+    experts/<group>/       zarr v3 uint8 arrays [layers, E, B]; group "main" holds the MoE
+                           layers, "mtp" the MTP layer(s). One chunk = one (layer, expert) =
+                           B bytes: the expert's packed weights and scales back to back, in
+                           the kernel layout (see `ExpertLayout`), protected by a crc32c codec.
+
+Reading an expert is one tensorstore read of one chunk; the bytes are then viewed (not copied or
+transformed) as the `QArray`s the MoE kernels consume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.config import Config
+from glmjax.errors import CheckpointError
+from glmjax.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
+from glmjax.weights import MoE, Weights, abstract, is_info
+
+FORMAT = "glmjax-expert-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = ".progress.json"
+CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "special_tokens_map.json")
+_ALIGN = 64  # field offsets inside a chunk, so views are aligned for any dtype
+
+
+# --- the chunk layout ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  name: str  # gate_up.packed | gate_up.scales | down.packed | down.scales
+  dtype: str
+  shape: tuple[int, ...]
+  offset: int
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+  """Byte layout of one expert chunk: four fields at fixed, aligned offsets."""
+
+  bits: int
+  group_size: int
+  hidden: int  # D
+  intermediate: int  # I
+  fields: tuple[Field, ...]
+  nbytes: int
+
+  @classmethod
+  def make(cls, hidden: int, intermediate: int, bits: int, group_size: int) -> "ExpertLayout":
+    gu = qarray_shapes(2 * intermediate, hidden, bits, group_size)
+    dn = qarray_shapes(hidden, intermediate, bits, group_size)
+    fields, offset = [], 0
+    for name, sds in (("gate_up.packed", gu.packed), ("gate_up.scales", gu.scales),
+                      ("down.packed", dn.packed), ("down.scales", dn.scales)):
+      f = Field(name, np.dtype(sds.dtype).name, tuple(sds.shape), offset)
+      fields.append(f)
+      offset += -(-f.nbytes // _ALIGN) * _ALIGN
+    return cls(bits, group_size, hidden, intermediate, tuple(fields), offset)
+
+  def pack(self, e: ExpertWeights) -> np.ndarray:
+    """The chunk bytes `[B]` of one quantized expert."""
+    blob = np.zeros(self.nbytes, np.uint8)
+    arrays = (e.gate_up.packed, e.gate_up.scales, e.down.packed, e.down.scales)
+    for f, a in zip(self.fields, arrays):
+      a = np.ascontiguousarray(a)
+      if a.shape != f.shape or a.dtype != np.dtype(f.dtype):
+        raise ValueError(f"{f.name}: expected {f.dtype}{list(f.shape)}, got {a.dtype}{list(a.shape)}")
+      blob[f.offset:f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
+    return blob
+
+  def unpack(self, blob: np.ndarray) -> ExpertWeights:
+    """Views chunk bytes `[..., B]` as an expert (leading axes are kept: `[E, B]` → pool)."""
+    lead = blob.shape[:-1]
+
+    def view(f):
+      part = blob[..., f.offset:f.offset + f.nbytes]
+      return np.ascontiguousarray(part).view(np.dtype(f.dtype)).reshape(*lead, *f.shape)
+
+    gp, gs, dp, ds = (view(f) for f in self.fields)
+    return ExpertWeights(
+        QArray(gp, gs, self.bits, self.group_size, self.hidden),
+        QArray(dp, ds, self.bits, self.group_size, self.intermediate))
+
+  def to_json(self) -> dict:
+    return {"bits": self.bits, "group_size": self.group_size, "hidden": self.hidden,
+            "intermediate": self.intermediate, "nbytes": self.nbytes,
+            "fields": [dataclasses.asdict(f) for f in self.fields]}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "ExpertLayout":
+    layout = cls.make(d["hidden"], d["intermediate"], d["bits"], d["group_size"])
+    if json.loads(json.dumps(layout.to_json())) != d:
+      raise CheckpointError(f"expert layout in the manifest does not match format "
+                            f"{FORMAT_VERSION}: {d}")
+    return layout
+
+
+def expert_spec(path: str, shape=None, create: bool = False) -> dict:
+  """tensorstore spec of one expert array; reads of missing chunks fail instead of zero-fill."""
+  spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
+                          "fill_missing_data_reads": False}
+  if create:
+    spec["metadata"] = {
+        "shape": list(shape), "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 1, shape[2]]}},
+        "codecs": [{"name": "bytes"}, {"name": "crc32c"}], "fill_value": 0}
+  return spec
+
+
+# --- dense parts -----------------------------------------------------------------------------
+
+def dense_parts(tree: Weights) -> dict[str, Any]:
+  """The dense (non-routed-expert) weights, split into the parts stored one orbax checkpoint
+  each, so that conversion and loading only ever hold one layer's dense weights."""
+  def strip(layer):
+    if isinstance(layer.mlp, MoE):
+      layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, experts=None))
+    return layer
+
+  parts = {"global": {"embed": tree.embed, "norm": tree.norm, "lm_head": tree.lm_head}}
+  for i, layer in enumerate(tree.layers):
+    parts[f"layer_{i:03d}"] = strip(layer)
+  for j, m in enumerate(tree.mtp):
+    parts[f"mtp_{j}"] = dataclasses.replace(m, layer=strip(m.layer))
+  return parts
+
+
+def flat_leaves(part) -> dict[str, Any]:
+  """{key path: leaf} of one part (ArrayInfo or array leaves)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
+  return {jax.tree_util.keystr(p): leaf for p, leaf in flat}
+
+
+def crc(a) -> int:
+  return zlib.crc32(np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def read_manifest(path: str) -> dict:
+  mpath = os.path.join(path, MANIFEST)
+  if not os.path.exists(mpath):
+    if os.path.exists(os.path.join(path, PROGRESS)) or os.path.isdir(os.path.join(path, "experts")):
+      raise CheckpointError(f"{path}: incomplete expert store (no {MANIFEST}); the conversion "
+                            "was interrupted: rerun scripts/convert.py with the same --dst")
+    raise CheckpointError(f"{path}: no {MANIFEST}: not an expert store")
+  try:
+    with open(mpath, encoding="utf-8") as f:
+      m = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{mpath}: corrupt manifest ({e})") from None
+  if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+    raise CheckpointError(f"{mpath}: unsupported store format {m.get('format')!r} "
+                          f"v{m.get('format_version')!r} (this glmjax reads v{FORMAT_VERSION})")
+  return m
+
+
+def is_store(path: str) -> bool:
+  return os.path.exists(os.path.join(path, MANIFEST)) or os.path.exists(
+      os.path.join(path, PROGRESS))
+
+
+class ExpertStore:
+  """Read side of a store's routed experts: one chunk read per (layer, expert)."""
+
+  def __init__(self, path: str, manifest: dict | None = None):
+    import tensorstore as ts
+    self.path = path
+    self.manifest = manifest or read_manifest(path)
+    self.groups = {}
+    self.where = {}  # layer → (group, row)
+    for name, g in self.manifest["experts"].items():
+      layout = ExpertLayout.from_json(g["layout"])
+      try:
+        arr = ts.open(expert_spec(os.path.join(path, g["path"]))).result()
+      except ValueError as e:
+        raise CheckpointError(f"{path}: cannot open expert array {g['path']}: {e}") from None
+      self.groups[name] = (arr, layout)
+      for row, layer in enumerate(g["layers"]):
+        self.where[layer] = (name, row)
+
+  @property
+  def layers(self) -> list[int]:
+    return sorted(self.where)
+
+  def layout(self, layer: int) -> ExpertLayout:
+    return self.groups[self.where[layer][0]][1]
+
+  def read_async(self, layer: int, expert: int):
+    """A tensorstore future for the chunk bytes `[B]` of (layer, expert)."""
+    group, row = self.where[layer]
+    return self.groups[group][0][row, expert].read()
+
+  def _result(self, future, what: str) -> np.ndarray:
+    try:
+      return future.result()
+    except ValueError as e:
+      raise CheckpointError(f"{self.path}: failed to read {what}: {e}") from None
+
+  def read(self, layer: int, expert: int) -> ExpertWeights:
+    blob = self._result(self.read_async(layer, expert), f"layer {layer} expert {expert}")
+    return self.layout(layer).unpack(blob)
+
+  def read_layer(self, layer: int) -> ExpertPool:
+    """Every expert of `layer` as a pool in slot = expert id order."""
+    group, row = self.where[layer]
+    arr, layout = self.groups[group]
+    futures = [arr[row, e].read() for e in range(arr.shape[1])]
+    blobs = np.stack([self._result(f, f"layer {layer} expert {e}") for e, f in enumerate(futures)])
+    e = layout.unpack(blobs)
+    return ExpertPool(e.gate_up, e.down)
+
+
+def load_store(path: str, dtype=jnp.float32, progress: bool = True, verify: bool = True
+               ) -> tuple[Config, Weights]:
+  """Loads a converted store with every expert resident (quantized `ExpertPool`s)."""
+  import orbax.checkpoint as ocp
+  from tqdm import tqdm
+
+  manifest = read_manifest(path)
+  cfg = Config.from_dict(manifest["source_config"], source=os.path.join(path, MANIFEST))
+  tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]))
+  if manifest.get("mtp_has_head"):
+    for m in tree.mtp:
+      m.head = tree.embed
+  experts = ExpertStore(path, manifest)
+  parts = dense_parts(tree)
+  ckptr = ocp.StandardCheckpointer()
+  loaded = {}
+  for name in tqdm(parts, desc="loading dense", disable=not progress, leave=False):
+    infos = {k: v for k, v in flat_leaves(parts[name]).items()}
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in infos.items()}
+    part_dir = os.path.abspath(os.path.join(path, "dense", name))
+    try:
+      arrays = ckptr.restore(part_dir, target)
+    except Exception as e:  # orbax raises many types; all mean a damaged part
+      raise CheckpointError(f"{part_dir}: cannot restore dense part ({type(e).__name__}: {e})"
+                            ) from None
+    sums = manifest["dense"][name]
+    for k, a in arrays.items():
+      if verify and crc(a) != sums[k]:
+        raise CheckpointError(f"{part_dir}: checksum mismatch for {k}")
+    loaded[name] = arrays
+
+  def fill(part_name, part):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
+    vals = [jnp.asarray(loaded[part_name][jax.tree_util.keystr(p)]) for p, _ in flat]
+    return jax.tree_util.tree_unflatten(treedef, vals)
+
+  def attach_experts(layer, index):
+    if isinstance(layer.mlp, MoE):
+      pool = jax.tree_util.tree_map(jnp.asarray, experts.read_layer(index))
+      layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, experts=pool))
+    return layer
+
+  g = fill("global", parts["global"])
+  n = cfg.num_hidden_layers
+  layers = [attach_experts(fill(f"layer_{i:03d}", parts[f"layer_{i:03d}"]), i) for i in range(n)]
+  mtps = []
+  for j in range(len(tree.mtp)):
+    m = fill(f"mtp_{j}", parts[f"mtp_{j}"])
+    mtps.append(dataclasses.replace(m, layer=attach_experts(m.layer, n + j)))
+  return cfg, Weights(embed=g["embed"], layers=layers, norm=g["norm"], lm_head=g["lm_head"],
+                      mtp=mtps)
