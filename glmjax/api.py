@@ -14,7 +14,7 @@ import numpy as np
 from glmjax import checkpoint, embedded, store
 from glmjax.config import Config
 from glmjax.errors import CheckpointError, InputError
-from glmjax.model import decode_fn, init_cache, prefill_fn, score_fn
+from glmjax.model import KVCache, decode_fn, init_cache, prefill_fn, score_fn
 from glmjax.options import Options
 from glmjax.weights import Weights
 
@@ -33,7 +33,9 @@ class GenerationResult:
   Attributes:
     tokens: the new token ids (a stop token that ended generation is not included).
     stats: flat dict of numbers: prompt_tokens, new_tokens, compile_s, prefill_s, decode_s,
-      decode_tok_s.
+      decode_tok_s, and for expert stores the offload telemetry (expert_pin_hits,
+      expert_host_hits, expert_misses, expert_bytes_read, io_service_s, io_wait_s,
+      misses_layer_N, ...), counted over this call.
     stop_reason: "stop_token" or "max_new_tokens".
   """
   tokens: list[int]
@@ -42,13 +44,19 @@ class GenerationResult:
 
 
 class Model:
-  """A loaded GLM-5 model: `config`, `weights` and the jitted steps that use them."""
+  """A loaded GLM-5 model: `config`, `weights` and the steps that run them.
 
-  def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None):
+  Models loaded from an expert store run through `engine` (glmjax.engine.OffloadEngine), whose
+  routed experts live in the device/host/disk tiers; HF checkpoints run fully resident.
+  """
+
+  def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None,
+               engine=None):
     self.config = config
     self.weights = weights
     self.options = options
     self.path = path
+    self.engine = engine
     self._compiled: dict = {}
 
   def __repr__(self):
@@ -77,8 +85,36 @@ class Model:
     key = (name, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
     if key not in self._compiled:
       self._compiled[key] = fn.lower(*args, **static).compile()
-      return self._compiled[key], True
-    return self._compiled[key], False
+    return self._compiled[key]
+
+  def _steps(self, cache: KVCache, toks):
+    """(prefill, decode) callables for this model: (cache, tokens[, n_valid]) → (logits, cache)."""
+    if self.engine is not None:
+      eng = self.engine
+
+      def prefill(cache, toks, n_valid):
+        logits, _, cache = eng.forward(toks, cache)
+        return logits[:, n_valid - 1], KVCache(cache.layers, cache.length + n_valid)
+
+      def decode(cache, tok):
+        logits, _, cache = eng.forward(tok, cache, absorbed=True)
+        return logits[:, 0], KVCache(cache.layers, cache.length + 1)
+
+      return prefill, decode
+    cfg, w, kernel = self.config, self.weights, self.options.resolved_moe_kernel
+    n = jnp.asarray(1, jnp.int32)
+    pre = self._compile("prefill", prefill_fn, w, cache, toks, n, cfg=cfg, kernel=kernel)
+    step = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg, kernel=kernel)
+
+    def prefill(cache, toks, n_valid):
+      logits, _, cache = pre(w, cache, toks, jnp.asarray(n_valid, jnp.int32))
+      return logits, cache
+
+    def decode(cache, tok):
+      logits, _, cache = step(w, cache, tok)
+      return logits[:, 0], cache
+
+    return prefill, decode
 
   # --- public ----------------------------------------------------------------------------
   def score(self, tokens) -> np.ndarray:
@@ -86,6 +122,8 @@ class Model:
     arr = self._tokens(tokens, 2)
     if arr.shape[1] > self._max_context():
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
+    if self.engine is not None:
+      return np.asarray(self.engine.forward(arr)[0], np.float32)
     return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
                                kernel=self.options.resolved_moe_kernel), np.float32)
 
@@ -108,22 +146,18 @@ class Model:
       raise InputError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds max_context "
                        f"{self._max_context()}")
     stops = set(self.config.eos_token_ids if stop_ids is None else stop_ids)
-    cfg, w = self.config, self.weights
+    from glmjax import sampling
+    if temperature > 0:
+      sampling.SamplingParams(temperature, top_k, top_p, min_p)  # validates up front
 
     padded = _bucket(n)
-    capacity = _bucket(max(padded, n + max_new_tokens))
-    cache = init_cache(cfg, 1, capacity)
+    cache = init_cache(self.config, 1, _bucket(max(padded, n + max_new_tokens)))
     toks = jnp.asarray(np.pad(prompt, (0, padded - n))[None])  # [1, S]
-    n_valid = jnp.asarray(n, jnp.int32)
+    before = self.engine.telemetry() if self.engine else {}
 
     t0 = time.perf_counter()
-    kernel = self.options.resolved_moe_kernel
-    prefill, _ = self._compile("prefill", prefill_fn, w, cache, toks, n_valid, cfg=cfg,
-                               kernel=kernel)
-    step, _ = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg, kernel=kernel)
+    prefill, decode = self._steps(cache, toks)
     compile_s = time.perf_counter() - t0
-
-    from glmjax import sampling  # the sampler module is optional until text support lands
     key = jax.random.PRNGKey(seed)
 
     def pick(logits):  # [V]
@@ -135,10 +169,9 @@ class Model:
                                  min_p=min_p))
 
     t0 = time.perf_counter()
-    logits, _, cache = prefill(w, cache, toks, n_valid)
+    logits, cache = prefill(cache, toks, n)
     out, reason = [], "max_new_tokens"
-    if max_new_tokens:
-      tok = pick(logits[0])
+    tok = pick(logits[0]) if max_new_tokens else None
     prefill_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -151,13 +184,17 @@ class Model:
         on_token(tok)
       if len(out) == max_new_tokens:
         break
-      logits, _, cache = step(w, cache, jnp.asarray([[tok]], jnp.int32))
-      tok = pick(logits[0, 0])
+      logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+      tok = pick(logits[0])
     decode_s = time.perf_counter() - t0
     steps = max(len(out) - 1, 0)  # the first token comes from the prefill
     stats = dict(prompt_tokens=float(n), new_tokens=float(len(out)), compile_s=compile_s,
                  prefill_s=prefill_s, decode_s=decode_s,
                  decode_tok_s=steps / decode_s if steps and decode_s > 0 else 0.0)
+    if self.engine is not None:
+      after = self.engine.telemetry()
+      stats.update({k: v - before.get(k, 0.0) for k, v in after.items()})
+      self.engine.close()
     return GenerationResult(tokens=out, stats=stats, stop_reason=reason)
 
 
@@ -165,7 +202,8 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
   """Loads a model: an HF `glm_moe_dsa` checkpoint directory, a converted expert store
   (`scripts/convert.py`), or, with no path, the embedded default.
 
-  Options are those of `glmjax.options.Options` (dtype, moe_kernel, progress, max_context).
+  Options are those of `glmjax.options.Options` (dtype, moe_kernel, progress, max_context,
+  device_cache_gb, host_cache_gb, io_workers, io_timeout_s, cold).
   """
   opts = Options.from_kwargs(**options)
   if path is None:
@@ -173,8 +211,24 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: model directory not found")
-  if store.is_store(path):
-    cfg, weights = store.load_store(path, dtype=opts.jnp_dtype, progress=opts.progress)
-  else:
+  if not store.is_store(path):
+    if opts.offload_set:
+      raise InputError(f"{path}: offload options (device_cache_gb, host_cache_gb, io_workers, "
+                       "cold) need an expert store; convert it with scripts/convert.py")
     cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
-  return Model(cfg, weights, opts, path)
+    return Model(cfg, weights, opts, path)
+
+  from glmjax import budget
+  from glmjax.engine import OffloadEngine
+  from glmjax.weights import nbytes
+  cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
+  experts = store.ExpertStore(path)
+  moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+  budgets = budget.resolve(opts.device_cache_gb, opts.host_cache_gb,
+                           dense_bytes=nbytes(dense), chunk_bytes=experts.layout(moe_layers[0]).nbytes,
+                           n_moe_layers=len(moe_layers), n_experts=cfg.n_routed_experts,
+                           top_k=cfg.num_experts_per_tok)
+  engine = OffloadEngine(cfg, dense, experts, budgets, io_workers=opts.io_workers,
+                         io_timeout_s=opts.io_timeout_s, cold=opts.cold, progress=opts.progress,
+                         kernel="pallas" if opts.moe_kernel == "pallas" else "xla")
+  return Model(cfg, dense, opts, path, engine)

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 
 from glmjax.config import Config
 from glmjax.layers import F32, linear, swiglu
-from glmjax.quant import ExpertPool
+from glmjax.quant import ExpertPool, dequantize
 from glmjax.weights import Experts, MoE
 from pallas_kernels import grouped_moe
+from pallas_kernels.reference import combine_in_order, take_experts
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
 # weights to a sorted ragged matmul, whose cost does not grow with duplicated experts.
@@ -70,28 +71,63 @@ def expert_outputs(x, ids, experts: Experts):
   return jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)  # [T, K, D]
 
 
-def combine(ys, w):
-  """Σ_k w[:, k] · ys[:, k] in rank order k = 0..K-1 (explicit adds fix the FP order)."""
-  out = ys[:, 0] * w[:, 0, None]
-  for j in range(1, ys.shape[1]):
-    out = out + ys[:, j] * w[:, j, None]
-  return out
+# Σ_k w[:, k] · ys[:, k] in rank order k = 0..K-1; explicit adds fix the FP order.
+combine = combine_in_order
+
+# Quantized experts are computed per (token, rank) pair in chunks of this many pairs: every
+# pair's arithmetic then has the same shapes whatever the batch, the pool or the tier the expert
+# came from, which is what makes offloaded runs bitwise equal to resident ones.
+PAIR_CHUNK = 8
+
+
+def expert_terms(x, pool: ExpertPool, slots, active=None):
+  """Unweighted outputs `[T, K, D]` of quantized experts `pool[slots]` `[T, K]` for `x` `[T, D]`.
+
+  Pairs where `active` `[T, K]` is False yield 0 (their experts are computed elsewhere).
+  """
+  t, k = slots.shape
+  n = t * k
+  n_pad = -(-n // PAIR_CHUNK) * PAIR_CHUNK
+  tok = jnp.pad(jnp.repeat(jnp.arange(t), k), (0, n_pad - n))  # [P]
+  flat = jnp.pad(slots.reshape(-1), (0, n_pad - n))  # [P]
+  xs = x.astype(F32)[tok].reshape(-1, PAIR_CHUNK, x.shape[-1])  # [N, C, D]
+  ids = flat.reshape(-1, PAIR_CHUNK)  # [N, C]
+  inter = pool.intermediate
+
+  def chunk(args):
+    xc, sc = args  # [C, D], [C]
+    gu = dequantize(take_experts(pool.gate_up, sc))  # [C, 2I, D]
+    h = jnp.einsum("cd,cfd->cf", xc, gu, precision=jax.lax.Precision.HIGHEST)
+    a = jax.nn.silu(h[:, :inter]) * h[:, inter:]  # [C, I]
+    dn = dequantize(take_experts(pool.down, sc))  # [C, D, I]
+    return jnp.einsum("cf,cdf->cd", a, dn, precision=jax.lax.Precision.HIGHEST)
+
+  ys = jax.lax.map(chunk, (xs, ids)).reshape(n_pad, -1)[:n].reshape(t, k, -1)
+  if active is not None:
+    ys = jnp.where(active[..., None], ys, 0.0)
+  return ys
 
 
 def moe(m: MoE, x, cfg: Config, kernel: str = "xla"):
   """Routed experts plus the shared expert for `x` `[..., D]`.
 
   `m.experts` is either float `Experts` or a quantized `ExpertPool` holding every expert of the
-  layer in slot = expert id order; the latter runs through the grouped MoE op (`kernel` picks
-  its Pallas or XLA backend), whose combine follows the same rank order.
+  layer in slot = expert id order. Quantized experts run per pair (`expert_terms`, the path the
+  offload engine shares) or, with `kernel="pallas"`, through the Pallas grouped MoE op, whose
+  combine follows the same rank order.
   """
   shape = x.shape
   x = x.reshape(-1, shape[-1]).astype(F32)  # [T, D]
   with jax.named_scope("route"):
     ids, w = route(x, m.router, m.bias, cfg)
-  if isinstance(m.experts, ExpertPool):
+  if isinstance(m.experts, ExpertPool) and kernel == "pallas":
     with jax.named_scope("experts"):
-      out = grouped_moe(x, m.experts, ids, w, backend=kernel)
+      out = grouped_moe(x, m.experts, ids, w, backend="pallas")
+  elif isinstance(m.experts, ExpertPool):
+    with jax.named_scope("experts"):
+      ys = expert_terms(x, m.experts, ids)
+    with jax.named_scope("combine"):
+      out = combine(ys, w)
   else:
     with jax.named_scope("experts"):
       ys = expert_outputs(x, ids, m.experts)

@@ -27,12 +27,23 @@ class Options:
     progress: show progress bars while loading.
     max_context: upper bound on prompt + generated tokens (default: the config's
       max_position_embeddings).
+    device_cache_gb: budget of the device-resident (pinned) expert pool; None = automatic from
+      free memory, 0 = no device tier. Expert stores only.
+    host_cache_gb: budget of the host-RAM LRU expert cache; None = automatic, 0 = none.
+    io_workers: threads reading experts from the store.
+    io_timeout_s: a read not done by then fails with an error naming the layer and expert.
+    cold: drop the store's pages from the OS page cache before running (honest disk figures).
   """
 
   dtype: str = "float32"
   moe_kernel: str = "auto"
   progress: bool = True
   max_context: int | None = None
+  device_cache_gb: float | None = None
+  host_cache_gb: float | None = None
+  io_workers: int = 4
+  io_timeout_s: float = 60.0
+  cold: bool = False
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -41,6 +52,16 @@ class Options:
       raise InputError(f"moe_kernel must be 'auto', 'pallas' or 'xla', got {self.moe_kernel!r}")
     if self.max_context is not None and self.max_context < 1:
       raise InputError(f"max_context must be positive, got {self.max_context}")
+    if not isinstance(self.io_workers, int) or self.io_workers < 1:
+      raise InputError(f"io_workers must be an integer ≥ 1, got {self.io_workers!r}")
+    if not self.io_timeout_s > 0:
+      raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
+
+  @property
+  def offload_set(self) -> bool:
+    """Whether any offload option differs from its default."""
+    return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold) != (
+        None, None, 4, False)
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> "Options":

@@ -235,9 +235,9 @@ class ExpertStore:
     return ExpertPool(e.gate_up, e.down)
 
 
-def load_store(path: str, dtype=jnp.float32, progress: bool = True, verify: bool = True
+def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool = True
                ) -> tuple[Config, Weights]:
-  """Loads a converted store with every expert resident (quantized `ExpertPool`s)."""
+  """A store's config and dense weights; routed experts are left as None (served by tiers)."""
   import orbax.checkpoint as ocp
   from tqdm import tqdm
 
@@ -247,13 +247,12 @@ def load_store(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
   if manifest.get("mtp_has_head"):
     for m in tree.mtp:
       m.head = tree.embed
-  experts = ExpertStore(path, manifest)
   parts = dense_parts(tree)
   ckptr = ocp.StandardCheckpointer()
-  loaded = {}
-  for name in tqdm(parts, desc="loading dense", disable=not progress, leave=False):
-    infos = {k: v for k, v in flat_leaves(parts[name]).items()}
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in infos.items()}
+  filled = {}
+  for name, part in tqdm(parts.items(), desc="loading dense", disable=not progress, leave=False):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
+    target = {jax.tree_util.keystr(p): jax.ShapeDtypeStruct(i.shape, i.dtype) for p, i in flat}
     part_dir = os.path.abspath(os.path.join(path, "dense", name))
     try:
       arrays = ckptr.restore(part_dir, target)
@@ -264,25 +263,10 @@ def load_store(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
     for k, a in arrays.items():
       if verify and crc(a) != sums[k]:
         raise CheckpointError(f"{part_dir}: checksum mismatch for {k}")
-    loaded[name] = arrays
-
-  def fill(part_name, part):
-    flat, treedef = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
-    vals = [jnp.asarray(loaded[part_name][jax.tree_util.keystr(p)]) for p, _ in flat]
-    return jax.tree_util.tree_unflatten(treedef, vals)
-
-  def attach_experts(layer, index):
-    if isinstance(layer.mlp, MoE):
-      pool = jax.tree_util.tree_map(jnp.asarray, experts.read_layer(index))
-      layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, experts=pool))
-    return layer
-
-  g = fill("global", parts["global"])
-  n = cfg.num_hidden_layers
-  layers = [attach_experts(fill(f"layer_{i:03d}", parts[f"layer_{i:03d}"]), i) for i in range(n)]
-  mtps = []
-  for j in range(len(tree.mtp)):
-    m = fill(f"mtp_{j}", parts[f"mtp_{j}"])
-    mtps.append(dataclasses.replace(m, layer=attach_experts(m.layer, n + j)))
-  return cfg, Weights(embed=g["embed"], layers=layers, norm=g["norm"], lm_head=g["lm_head"],
-                      mtp=mtps)
+    filled[name] = jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(arrays[jax.tree_util.keystr(p)]) for p, _ in flat])
+  g = filled["global"]
+  return cfg, Weights(embed=g["embed"], layers=[filled[f"layer_{i:03d}"] for i in
+                                                range(cfg.num_hidden_layers)],
+                      norm=g["norm"], lm_head=g["lm_head"],
+                      mtp=[filled[f"mtp_{j}"] for j in range(len(tree.mtp))])

@@ -1,0 +1,270 @@
+"""The offload engine: a host loop over jitted layer steps, resolving routed experts against
+three tiers (device pool → host LRU → store on disk) between them.
+
+Per MoE layer and step:
+  1. a jitted step runs attention and the router; the host reads the top-k ids `[T, K]`;
+  2. the union of distinct experts is resolved: pinned on the device, in the host cache, or a
+     miss, and every miss is submitted to the I/O threads at once;
+  3. pinned experts are computed first (JAX dispatch is asynchronous, so the device works while
+     the host waits), then host-cached ones, then each miss as it arrives;
+  4. per-(token, rank) terms from the three groups are merged by selection and combined in
+     rank order, so results are bitwise identical whatever tier served an expert.
+With every expert resident the same jitted steps run back to back with no host round trip.
+
+Bitwise determinism across budgets holds on the XLA expert path (`expert_terms`, per pair).
+`kernel="pallas"` runs the Pallas grouped op in the all-resident fast path only; offloaded
+layers always use the per-pair path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.attention import attention
+from glmjax.config import Config
+from glmjax.expert_io import ExpertReader, drop_page_cache
+from glmjax.layers import F32, rms_norm, swiglu
+from glmjax.model import KVCache, logits_of
+from glmjax.moe import combine, expert_terms, route
+from glmjax.quant import ExpertPool
+from glmjax.store import ExpertStore
+from glmjax.tiers import DevicePool, Heat, HostCache, as_device_pool, empty_pool, should_repin
+from glmjax.weights import MoE, Weights
+from pallas_kernels import grouped_moe
+
+USAGE_FILE = "usage.json"
+
+
+# --- jitted steps ----------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed"), donate_argnames=("cache",))
+def attn_route_step(lw, x, positions, cache, start, selection, cfg: Config, absorbed: bool):
+  """Attention (+ residual), then the MLP norm; MoE layers also route. Dense layers finish."""
+  h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+  a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
+  x = x + a
+  hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+  if not isinstance(lw.mlp, MoE):
+    return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection
+  flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
+  ids, w = route(flat, lw.mlp.router, lw.mlp.bias, cfg)
+  return x, flat, ids, w, cache, selection
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def moe_finish_step(m: MoE, x, flat, ys, w, cfg: Config):
+  """Rank-ordered combine of the expert terms, plus the shared expert, plus the residual."""
+  out = combine(ys, w)
+  if m.shared is not None:
+    out = out + swiglu(flat, m.shared.gate_up, m.shared.down)
+  return x + out.reshape(x.shape)
+
+
+terms_step = jax.jit(expert_terms)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def moe_pallas_step(m: MoE, x, flat, pool: ExpertPool, ids, w, cfg: Config):
+  """The all-resident MoE through the Pallas grouped op (combine inside the kernel)."""
+  out = grouped_moe(flat, pool, ids, w, backend="pallas")
+  if m.shared is not None:
+    out = out + swiglu(flat, m.shared.gate_up, m.shared.down)
+  return x + out.reshape(x.shape)
+
+
+@jax.jit
+def merge_terms(active, a, b):
+  return jnp.where(active[..., None], a, b)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def logits_step(w: Weights, x, cfg: Config):
+  return logits_of(w, x, cfg)
+
+
+@jax.jit
+def embed_step(embed, tokens):
+  return embed[tokens].astype(F32)
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Budgets:
+  device_bytes: int
+  host_bytes: int
+
+
+class OffloadEngine:
+  """Runs the model layer by layer over dense weights and a store's routed experts."""
+
+  def __init__(self, cfg: Config, dense: Weights, store: ExpertStore, budgets: Budgets,
+               io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
+               progress: bool = True, kernel: str = "xla"):
+    self.cfg, self.dense, self.store = cfg, dense, store
+    self.kernel = kernel
+    self.moe_layers = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
+    self.layout = store.layout(self.moe_layers[0])
+    self.chunk_bytes = self.layout.nbytes
+    e = cfg.n_routed_experts
+    slots = min(e, budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers)))
+    self.slots = int(slots)
+    self.all_resident = self.slots == e
+    self.host = HostCache(0 if self.all_resident else budgets.host_bytes)
+    self.reader = ExpertReader(self._read_blob, io_workers, io_timeout_s)
+    self.usage_path = os.path.join(store.path, USAGE_FILE)
+    self.heat = Heat.load(self.usage_path)
+    if cold:
+      drop_page_cache(os.path.join(store.path, "experts"))
+    self.stats = collections.Counter()
+    self.device: dict[int, DevicePool] = {}
+    self._fill_device_tier(progress)
+
+  # -- setup --------------------------------------------------------------------------------
+  def _read_blob(self, layer: int, expert: int) -> np.ndarray:
+    group, row = self.store.where[layer]
+    return self.store.groups[group][0][row, expert].read().result()
+
+  def _fill_device_tier(self, progress: bool):
+    from tqdm import tqdm
+    if self.slots == 0:
+      return
+    if self.all_resident:
+      for layer in tqdm(self.moe_layers, desc="loading experts", disable=not progress,
+                        leave=False):
+        pool = DevicePool(layer, self.slots, jax.tree_util.tree_map(
+            jnp.asarray, self.store.read_layer(layer)))
+        pool.slot_of = {x: x for x in range(self.slots)}
+        pool.expert_in = list(range(self.slots))
+        self.device[layer] = pool
+      return
+    for layer in self.moe_layers:
+      self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots))
+      # Pin the hottest experts of past runs (the persisted usage histogram).
+      for e in self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts):
+        self.device[layer].install(e, self.layout.unpack(self._read_blob(layer, e)),
+                                   self.device[layer].free_slot())
+
+  def close(self):
+    """Persists the usage histogram that chooses the next run's pinned set."""
+    self.heat.save(self.usage_path)
+
+  # -- per-layer expert resolution ----------------------------------------------------------
+  def _experts(self, layer: int, flat, ids):
+    """Unweighted expert terms `[T, K, D]` of one MoE layer."""
+    dev = self.device.get(layer)
+    if self.all_resident:
+      return terms_step(flat, dev.pool, ids)
+    ids_np = np.asarray(ids)  # [T, K]; the one host round trip per MoE layer
+    union = [int(e) for e in np.unique(ids_np)]
+    self.heat.use(layer, union)
+    self.stats["experts_used"] += len(union)
+    pinned = [e for e in union if dev is not None and e in dev]
+    cached, missing, futures = {}, [], {}
+    for e in union:
+      if e in pinned:
+        continue
+      blob = self.host.get((layer, e))
+      if blob is not None:
+        cached[e] = blob
+      else:
+        missing.append(e)
+        futures[e] = self.reader.submit(layer, e)  # every miss dispatched up front
+    self.stats["expert_pin_hits"] += len(pinned)
+    self.stats["expert_host_hits"] += len(cached)
+    self.stats["expert_misses"] += len(missing)
+    self.stats[f"misses_layer_{layer}"] += len(missing)
+
+    groups = []  # (active [T, K], terms) in the order they are computed
+    if pinned:
+      slots = np.vectorize(lambda e: dev.slot_of.get(int(e), 0))(ids_np)
+      active = np.isin(ids_np, pinned)
+      groups.append((active, terms_step(flat, dev.pool, jnp.asarray(slots, jnp.int32),
+                                        jnp.asarray(active))))
+    if cached:
+      groups.append(self._working_terms(flat, ids_np, cached))
+    arrived = {}
+    for e in missing:  # lazily: each read is awaited only now, after resident work is queued
+      blob = self.reader.wait(futures[e], layer, e)
+      self.stats["expert_bytes_read"] += blob.nbytes
+      self.host.put((layer, e), blob)
+      arrived[e] = blob
+    if arrived:
+      groups.append(self._working_terms(flat, ids_np, arrived))
+    self._admit(layer, union, {**cached, **arrived})
+
+    active, ys = groups[-1]
+    for act, terms in reversed(groups[:-1]):
+      ys = merge_terms(jnp.asarray(act), terms, ys)
+    return ys
+
+  def _working_terms(self, flat, ids_np, blobs: dict[int, np.ndarray]):
+    """Terms of experts held as host bytes, through a transient padded device pool."""
+    experts = sorted(blobs)
+    width = _bucket(len(experts))
+    weights = [self.layout.unpack(blobs[e]) for e in experts]
+    weights += [weights[-1]] * (width - len(experts))
+    pool = as_device_pool(weights)
+    slot = {e: s for s, e in enumerate(experts)}
+    slots = np.vectorize(lambda e: slot.get(int(e), 0))(ids_np)
+    active = np.isin(ids_np, experts)
+    return active, terms_step(flat, pool, jnp.asarray(slots, jnp.int32), jnp.asarray(active))
+
+  def _admit(self, layer: int, union, blobs: dict[int, np.ndarray]):
+    """Moves just-used experts into the device tier: free slots first, then LFRU swaps."""
+    dev = self.device.get(layer)
+    if dev is None:
+      return
+    for e in sorted(blobs, key=lambda e: -self.heat[(layer, e)]):
+      slot = dev.free_slot()
+      if slot is None:
+        cold = dev.coldest(self.heat)
+        if cold is None or cold[1] in union or not should_repin(self.heat[(layer, e)],
+                                                               self.heat[(layer, cold[1])]):
+          continue
+        slot = cold[0]
+        self.stats["repins"] += 1
+      dev.install(e, self.layout.unpack(blobs[e]), slot)
+
+  # -- forward --------------------------------------------------------------------------------
+  def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False):
+    """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`."""
+    cfg = self.cfg
+    tokens = jnp.asarray(tokens, jnp.int32)
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.length
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = embed_step(self.dense.embed, tokens)
+    selection, new_layers = None, []
+    for i, lw in enumerate(self.dense.layers):
+      lc = None if cache is None else cache.layers[i]
+      x, flat, ids, w, lc, selection = attn_route_step(lw, x, positions, lc, start, selection,
+                                                       cfg=cfg, absorbed=absorbed)
+      if ids is not None and self.all_resident and self.kernel == "pallas":
+        x = moe_pallas_step(lw.mlp, x, flat, self.device[i].pool, ids, w, cfg=cfg)
+      elif ids is not None:
+        ys = self._experts(i, flat, ids)
+        x = moe_finish_step(lw.mlp, x, flat, ys, w, cfg=cfg)
+      new_layers.append(lc)
+    if not self.all_resident:
+      self.heat.decay()
+    new_cache = None if cache is None else KVCache(new_layers, cache.length)
+    return logits_step(self.dense, x, cfg=cfg), x, new_cache
+
+  def telemetry(self) -> dict[str, float]:
+    """Flat numeric counters since construction (callers take differences)."""
+    out = {k: float(v) for k, v in self.stats.items()}
+    out["io_service_s"] = self.reader.service_s
+    out["io_wait_s"] = self.reader.wait_s
+    return out
+
+
+def _bucket(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,93 @@
+"""Asynchronous expert reads: a pool of daemon I/O threads over the expert store.
+
+Daemon threads (not a ThreadPoolExecutor, whose threads are joined at exit) so that a read
+stalled in the kernel can never hang the process: the waiter times out with an error naming the
+layer and expert, and the stuck thread dies with the process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from glmjax.errors import GlmjaxError
+
+
+class ExpertIOError(GlmjaxError):
+  """A failed, corrupt or stalled expert read; the message names the layer and expert."""
+
+
+class ExpertReader:
+  """Reads expert chunk bytes with `workers` threads; `submit` returns a Future of the bytes."""
+
+  def __init__(self, read_fn: Callable[[int, int], np.ndarray], workers: int = 4,
+               timeout_s: float = 60.0):
+    if workers < 1:
+      raise ValueError(f"io_workers must be ≥ 1, got {workers}")
+    self.read_fn = read_fn
+    self.timeout_s = timeout_s
+    self.service_s = 0.0  # summed time the reads themselves took
+    self.wait_s = 0.0  # time the compute thread spent blocked on reads
+    self._lock = threading.Lock()
+    self._q: queue.Queue = queue.Queue()
+    for i in range(workers):
+      threading.Thread(target=self._worker, name=f"glmjax-io-{i}", daemon=True).start()
+
+  def _worker(self):
+    while True:
+      layer, expert, fut = self._q.get()
+      if not fut.set_running_or_notify_cancel():
+        continue
+      t0 = time.perf_counter()
+      try:
+        blob = self.read_fn(layer, expert)
+      except Exception as e:  # any failure becomes a named, clean error at the waiter
+        fut.set_exception(ExpertIOError(f"reading layer {layer} expert {expert} failed: {e}"))
+      else:
+        fut.set_result(blob)
+      finally:
+        with self._lock:
+          self.service_s += time.perf_counter() - t0
+
+  def submit(self, layer: int, expert: int) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    self._q.put((layer, expert, fut))
+    return fut
+
+  def wait(self, fut: cf.Future, layer: int, expert: int) -> np.ndarray:
+    """The bytes of a submitted read, blocking at most `timeout_s`."""
+    t0 = time.perf_counter()
+    try:
+      return fut.result(timeout=self.timeout_s)
+    except cf.TimeoutError:
+      fut.cancel()
+      raise ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
+                          f"{self.timeout_s:.1f} s (stalled storage?)") from None
+    finally:
+      self.wait_s += time.perf_counter() - t0
+
+
+def drop_page_cache(root: str) -> int:
+  """Asks the OS to drop cached pages of every file under `root` (cold-start measurements).
+
+  Returns the number of files advised. Pages of files being written are unaffected.
+  """
+  n = 0
+  for d, _, files in os.walk(root):
+    for name in files:
+      try:
+        fd = os.open(os.path.join(d, name), os.O_RDONLY)
+      except OSError:
+        continue
+      try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        n += 1
+      finally:
+        os.close(fd)
+  return n
