@@ -36,11 +36,13 @@ class GenerationResult:
       decode_tok_s, and for expert stores the offload telemetry (expert_pin_hits,
       expert_host_hits, expert_misses, expert_bytes_read, io_service_s, io_wait_s,
       misses_layer_N, ...), counted over this call.
-    stop_reason: "stop_token" or "max_new_tokens".
+    stop_reason: "stop_token", "stop_string" or "max_new_tokens".
+    text: the decoded new text (None without a tokenizer), cut before a matched stop string.
   """
   tokens: list[int]
   stats: dict[str, float]
   stop_reason: str = "max_new_tokens"
+  text: str | None = None
 
 
 class Model:
@@ -58,6 +60,7 @@ class Model:
     self.path = path
     self.engine = engine
     self._compiled: dict = {}
+    self.tokenizer = _tokenizer(path)
 
   def __repr__(self):
     c = self.config
@@ -127,41 +130,87 @@ class Model:
     return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
                                kernel=self.options.resolved_moe_kernel), np.float32)
 
-  def generate(self, prompt_tokens: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+  def generate(self, prompt_tokens: Sequence[int] | str, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-               stop_ids: Sequence[int] | None = None,
-               on_token: Callable[[int], None] | None = None) -> GenerationResult:
-    """Generates up to `max_new_tokens` after `prompt_tokens` (1-D ids).
+               repetition_penalty: float = 1.0, stop_ids: Sequence[int] | None = None,
+               stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None,
+               on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Generates up to `max_new_tokens` after `prompt_tokens` (ids, or text when the model has a
+    tokenizer).
 
-    temperature 0 is greedy. Generation stops early at any of `stop_ids` (default: the
-    config's eos ids). `on_token` is called with each new id as soon as it is known.
+    temperature 0 is greedy. Generation stops at any of `stop_ids` (default: the config's eos
+    ids plus the tokenizer's end-of-text and turn tokens) or user `stop` strings. `on_token`
+    gets each new id, `on_text` each newly complete piece of text.
     """
-    prompt = self._tokens(prompt_tokens, 1)
+    ids = (self.tokenizer.encode(prompt_tokens)
+           if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
+    prompt_ids = self._tokens(ids, 1)
+    self._check_budget(len(prompt_ids), max_new_tokens)
+    cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
+                                                   len(prompt_ids) + max_new_tokens)))
+    result, _ = self._run(prompt_ids, cache, max_new_tokens, temperature, seed, top_k, top_p,
+                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text)
+    return result
+
+  def chat(self, system: str | None = None, enable_thinking: bool = False,
+           max_context: int | None = None) -> "ChatSession":
+    """A multi-turn chat that keeps the KV cache of the conversation between turns."""
+    self._need_tokenizer()
+    return ChatSession(self, system, enable_thinking, max_context)
+
+  # --- generation core ---------------------------------------------------------------------
+  def _need_tokenizer(self):
+    if self.tokenizer is None:
+      raise InputError(f"{self.path}: this model has no tokenizer.json; pass token ids")
+    return True
+
+  def _check_budget(self, n: int, max_new_tokens: int):
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
       raise InputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if temperature < 0:
-      raise InputError(f"temperature must be ≥ 0, got {temperature}")
-    n = len(prompt)
     if n + max_new_tokens > self._max_context():
       raise InputError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds max_context "
                        f"{self._max_context()}")
-    stops = set(self.config.eos_token_ids if stop_ids is None else stop_ids)
-    from glmjax import sampling
-    if temperature > 0:
-      sampling.SamplingParams(temperature, top_k, top_p, min_p)  # validates up front
 
-    padded = _bucket(n)
-    cache = init_cache(self.config, 1, _bucket(max(padded, n + max_new_tokens)))
-    toks = jnp.asarray(np.pad(prompt, (0, padded - n))[None])  # [1, S]
+  def default_stop_ids(self) -> set[int]:
+    ids = set(self.config.eos_token_ids)
+    if self.tokenizer is not None:
+      ids |= self.tokenizer.stop_ids(list(self.config.eos_token_ids))
+    return ids
+
+  def _run(self, prompt_ids: np.ndarray, cache: KVCache, max_new_tokens, temperature, seed,
+           top_k, top_p, min_p, repetition_penalty, stop_ids, stop, on_token, on_text):
+    """Prefills `prompt_ids` after the cache's contents, then decodes. Returns (result, cache)."""
+    from glmjax import sampling, text
+    if temperature < 0:  # also checked by SamplingParams; kept for a plain message
+      raise InputError(f"temperature must be ≥ 0, got {temperature}")
+    sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)  # validates
+    stops = self.default_stop_ids() if stop_ids is None else set(stop_ids)
+    if stop and self.tokenizer is None:
+      raise InputError("stop strings need a tokenizer")
+    stream = text.StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
+    matcher = text.StopMatcher(stop) if stop else None
+    n = len(prompt_ids)
+    start = int(cache.length)
+    cap = cache.layers[0].latent.shape[1]
+    padded = min(_bucket(n), cap - start)
+    if start + n + max_new_tokens > cap or padded < n:
+      raise InputError(f"context full: {start} cached + {n} prompt + {max_new_tokens} new "
+                       f"tokens exceed the cache capacity {cap}")
+    toks = jnp.asarray(np.pad(prompt_ids, (0, padded - n))[None])  # [1, S]
     before = self.engine.telemetry() if self.engine else {}
 
     t0 = time.perf_counter()
     prefill, decode = self._steps(cache, toks)
     compile_s = time.perf_counter() - t0
     key = jax.random.PRNGKey(seed)
+    history = np.zeros((1, self.config.vocab_size), bool)
+    history[0, prompt_ids] = True
 
     def pick(logits):  # [V]
       nonlocal key
+      if repetition_penalty != 1.0:
+        logits = sampling.apply_repetition_penalty(logits[None], jnp.asarray(history),
+                                                   repetition_penalty)[0]
       if temperature == 0:
         return int(jnp.argmax(logits))
       key, sub = jax.random.split(key)
@@ -170,32 +219,106 @@ class Model:
 
     t0 = time.perf_counter()
     logits, cache = prefill(cache, toks, n)
-    out, reason = [], "max_new_tokens"
+    out, reason, pieces = [], "max_new_tokens", []
     tok = pick(logits[0]) if max_new_tokens else None
     prefill_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    first_step_s = None  # the first decode step may include tracing/compilation
     while len(out) < max_new_tokens:
       if tok in stops:
         reason = "stop_token"
         break
       out.append(tok)
+      history[0, tok] = True
       if on_token:
         on_token(tok)
+      if stream is not None:
+        piece = stream.feed(tok)
+        if matcher is not None:
+          piece, hit = matcher.feed(piece)
+          if hit:
+            reason = "stop_string"
+        pieces.append(piece)
+        if on_text and piece:
+          on_text(piece)
+        if reason == "stop_string":
+          break
       if len(out) == max_new_tokens:
         break
       logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
       tok = pick(logits[0])
+      if first_step_s is None:
+        first_step_s = time.perf_counter() - t0
     decode_s = time.perf_counter() - t0
-    steps = max(len(out) - 1, 0)  # the first token comes from the prefill
+    if stream is not None and reason != "stop_string":
+      tail = stream.flush()
+      tail = matcher.feed(tail)[0] + matcher.flush() if matcher is not None else tail
+      pieces.append(tail)
+      if on_text and tail:
+        on_text(tail)
+    steps = max(len(out) - 1, 0)  # decode steps run (the first token comes from the prefill)
+    if steps >= 2:  # steady state: from the second decode step on
+      rate = (steps - 1) / max(decode_s - first_step_s, 1e-9)
+    else:
+      rate = steps / decode_s if steps and decode_s > 0 else 0.0
     stats = dict(prompt_tokens=float(n), new_tokens=float(len(out)), compile_s=compile_s,
-                 prefill_s=prefill_s, decode_s=decode_s,
-                 decode_tok_s=steps / decode_s if steps and decode_s > 0 else 0.0)
+                 prefill_s=prefill_s, decode_s=decode_s, first_step_s=first_step_s or 0.0,
+                 decode_tok_s=rate)
     if self.engine is not None:
       after = self.engine.telemetry()
       stats.update({k: v - before.get(k, 0.0) for k, v in after.items()})
       self.engine.close()
-    return GenerationResult(tokens=out, stats=stats, stop_reason=reason)
+    # The cache holds the prompt and every emitted token but the last (never fed back).
+    cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(out) - 1, 0), jnp.int32))
+    result = GenerationResult(tokens=out, stats=stats, stop_reason=reason,
+                              text="".join(pieces) if stream is not None else None)
+    return result, cache
+
+
+class ChatSession:
+  """Multi-turn chat over one KV cache: each turn prefills only what the cache lacks."""
+
+  def __init__(self, model: Model, system: str | None, enable_thinking: bool,
+               max_context: int | None):
+    self.model = model
+    self.messages = [{"role": "system", "content": system}] if system else []
+    self.enable_thinking = enable_thinking
+    cap = _bucket(min(max_context or 4096, model._max_context()))
+    self.cache = init_cache(model.config, 1, cap)
+    self.tokens: list[int] = []  # what the cache holds, position by position
+
+  def send(self, user_text: str, max_new_tokens: int = 256, **sampling) -> GenerationResult:
+    """Adds a user turn, generates the reply, and keeps both in the history."""
+    from glmjax import text
+    self.messages.append({"role": "user", "content": user_text})
+    ids = text.encode_chat(self.messages, self.model.tokenizer, add_generation_prompt=True,
+                           enable_thinking=self.enable_thinking)
+    common = 0
+    while common < min(len(ids), len(self.tokens)) and ids[common] == self.tokens[common]:
+      common += 1
+    common = min(common, len(ids) - 1)  # at least one token to prefill
+    # Positions past `common` are stale; attention never sees them once overwritten.
+    self.cache = KVCache(self.cache.layers, jnp.asarray(common, jnp.int32))
+    result, self.cache = self.model._run(
+        np.asarray(ids[common:], np.int32), self.cache, max_new_tokens,
+        sampling.pop("temperature", 0.0), sampling.pop("seed", 0), sampling.pop("top_k", 0),
+        sampling.pop("top_p", 1.0), sampling.pop("min_p", 0.0),
+        sampling.pop("repetition_penalty", 1.0), sampling.pop("stop_ids", None),
+        sampling.pop("stop", ()), sampling.pop("on_token", None), sampling.pop("on_text", None))
+    if sampling:
+      raise InputError(f"unknown argument(s) to send(): {', '.join(sorted(sampling))}")
+    self.tokens = list(ids) + result.tokens[:-1] if result.tokens else list(ids)[:-1]
+    result.stats["reused_tokens"] = float(common)
+    self.messages.append({"role": "assistant", "content": result.text})
+    return result
+
+
+def _tokenizer(path):
+  from glmjax import text
+  if path and os.path.exists(os.path.join(path, "tokenizer.json")):
+    return text.Tokenizer.from_dir(path)
+  return None
 
 
 def load(path: str | os.PathLike | None = None, **options) -> Model:

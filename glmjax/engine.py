@@ -261,6 +261,7 @@ class OffloadEngine:
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""
     out = {k: float(v) for k, v in self.stats.items()}
+    out["all_resident"] = float(self.all_resident)  # fast path: no per-expert accounting
     out["io_service_s"] = self.reader.service_s
     out["io_wait_s"] = self.reader.wait_s
     return out

@@ -1,6 +1,11 @@
-"""Generates tokens from a GLM-5 model (the embedded default unless --model is given).
+"""Generates text (or token ids) with a GLM-5 model: the embedded default unless --model is given.
 
+  python scripts/generate.py --prompt "def "
+  python scripts/generate.py --chat
   python scripts/generate.py --prompt_ids=5,6,7 --max_new_tokens=32
+  python scripts/generate.py --model=/nvme/glm5-int4 --host_cache_gb=64 --prompt "Hello"
+
+Sampling flags left unset take the model's generation_config.json (greedy without one).
 """
 
 from __future__ import annotations
@@ -12,12 +17,26 @@ from absl import app, flags, logging
 import glmjax
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint directory; default: the embedded model.")
-flags.DEFINE_string("prompt_ids", "5,6,7,8", "Comma-separated prompt token ids.")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate at most.", lower_bound=0)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
+flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids (instead of --prompt).")
+flags.DEFINE_bool("chat", False, "Interactive multi-turn chat (GLM chat template).")
+flags.DEFINE_string("system", None, "System message for --chat.")
+flags.DEFINE_bool("think", False, "Enable thinking in --chat (<think> instead of <think></think>).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.", lower_bound=0)
+flags.DEFINE_float("temperature", None, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens (0 = off).", lower_bound=0)
+flags.DEFINE_float("top_p", None, "Nucleus mass (1 = off).")
+flags.DEFINE_float("min_p", None, "Keep tokens with p ≥ min_p·p_max (0 = off).")
+flags.DEFINE_float("repetition_penalty", None, "Penalty on already-seen tokens (1 = off).")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Dense weight dtype.")
+flags.DEFINE_enum("moe_kernel", "auto", ["auto", "pallas", "xla"], "MoE expert kernel.")
+flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (store only; 0 = none).")
+flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (store only; 0 = none).")
+flags.DEFINE_integer("io_workers", 4, "Expert read threads (store only).", lower_bound=1)
+flags.DEFINE_bool("cold", False, "Drop the store from the OS page cache first (store only).")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -30,21 +49,78 @@ def parse_ids(text: str) -> list[int]:
   return ids
 
 
+def sampling_kwargs(model) -> dict:
+  """Flags that were set, over the model's generation_config defaults."""
+  from glmjax.sampling import SamplingParams
+  gen = model.tokenizer.generation_config if model.tokenizer is not None else {}
+  p = SamplingParams.from_generation_config(gen or {})
+  kw = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty)
+  for name in kw:
+    if getattr(FLAGS, name) is not None:
+      kw[name] = getattr(FLAGS, name)
+  return kw
+
+
+def summary(result) -> str:
+  s = result.stats
+  line = f"{int(s['new_tokens'])} tokens ({result.stop_reason}) | prefill {s['prefill_s']:.2f} s"
+  if "experts_used" in s and s["experts_used"]:
+    used = s["experts_used"]
+    pin, host = 100 * s["expert_pin_hits"] / used, 100 * s["expert_host_hits"] / used
+    line += (f" | hit {pin + host:.1f}% (pin {pin:.1f} + host {host:.1f}) | "
+             f"{s['expert_bytes_read'] / 1e9:.2f} GB read, {s['io_wait_s']:.2f} s waited")
+  return line + f" | {s['decode_tok_s']:.1f} tok/s"
+
+
+def run(model) -> None:
+  kw = dict(sampling_kwargs(model), seed=FLAGS.seed, stop=FLAGS.stop)
+  if FLAGS.chat:
+    session = model.chat(system=FLAGS.system, enable_thinking=FLAGS.think)
+    print("chat: empty line or Ctrl-D to quit", flush=True)
+    while True:
+      try:
+        user = input("> ")
+      except EOFError:
+        break
+      if not user.strip():
+        break
+      r = session.send(user, FLAGS.max_new_tokens, on_text=lambda t: print(t, end="", flush=True),
+                       **kw)
+      print(f"\n[{summary(r)}]", flush=True)
+    return
+  if FLAGS.prompt_ids is not None:
+    prompt = parse_ids(FLAGS.prompt_ids)
+    print(f"prompt: {prompt}", flush=True)
+    show = dict(on_token=lambda t: print(t, end=" ", flush=True))
+  else:
+    prompt = FLAGS.prompt if FLAGS.prompt is not None else "def "
+    if model.tokenizer is None:
+      raise glmjax.InputError("this model has no tokenizer: use --prompt_ids")
+    print(prompt, end="", flush=True)
+    show = dict(on_text=lambda t: print(t, end="", flush=True))
+  result = model.generate(prompt, FLAGS.max_new_tokens, **kw, **show)
+  print("\n" + summary(result))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing off the console
+  offload = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb") if
+             getattr(FLAGS, k) is not None}
+  if FLAGS.io_workers != 4 or FLAGS.cold:
+    offload.update(io_workers=FLAGS.io_workers, cold=FLAGS.cold)
   try:
-    prompt = parse_ids(FLAGS.prompt_ids)
-    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype)
-    print(f"prompt: {prompt}", flush=True)
-    result = model.generate(prompt, FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                            seed=FLAGS.seed, on_token=lambda t: print(t, end=" ", flush=True))
+    if FLAGS.prompt_ids is not None:
+      parse_ids(FLAGS.prompt_ids)  # fail before loading anything
+    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel, **offload)
+    run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)
     return 1
-  s = result.stats
-  print(f"\n{int(s['new_tokens'])} tokens ({result.stop_reason}) | prefill {s['prefill_s']:.3f} s"
-        f" | {s['decode_tok_s']:.1f} tok/s | compile {s['compile_s']:.1f} s")
+  except KeyboardInterrupt:
+    print("\ninterrupted", file=sys.stderr)
+    return 130
   return 0
 
 
