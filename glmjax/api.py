@@ -134,13 +134,19 @@ class Model:
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                repetition_penalty: float = 1.0, stop_ids: Sequence[int] | None = None,
                stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None,
-               on_text: Callable[[str], None] | None = None) -> GenerationResult:
+               on_text: Callable[[str], None] | None = None, draft: int | str = 0,
+               on_round: Callable[[dict], None] | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` after `prompt_tokens` (ids, or text when the model has a
     tokenizer).
 
     temperature 0 is greedy. Generation stops at any of `stop_ids` (default: the config's eos
     ids plus the tokenizer's end-of-text and turn tokens) or user `stop` strings. `on_token`
     gets each new id, `on_text` each newly complete piece of text.
+
+    `draft` turns on MTP speculative decoding: k drafts per verify forward, or "auto" to pick k
+    (0 included) from live throughput. Greedy output is identical to plain decoding; sampled
+    output keeps the plain sampler's distribution. `on_round` (debugging) receives each verify
+    round's position, tokens, logits and accepted count.
     """
     ids = (self.tokenizer.encode(prompt_tokens)
            if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
@@ -148,8 +154,13 @@ class Model:
     self._check_budget(len(prompt_ids), max_new_tokens)
     cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
                                                    len(prompt_ids) + max_new_tokens)))
+    if draft not in (0, "auto") and not (isinstance(draft, int) and 0 < draft <= 16):
+      raise InputError(f"draft must be 0, 1..16 or 'auto', got {draft!r}")
+    if draft and not self.weights.mtp:
+      raise InputError(f"{self.path}: draft={draft!r} needs an MTP layer; this model has none")
     result, _ = self._run(prompt_ids, cache, max_new_tokens, temperature, seed, top_k, top_p,
-                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text)
+                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text, draft,
+                          on_round)
     return result
 
   def chat(self, system: str | None = None, enable_thinking: bool = False,
@@ -178,7 +189,8 @@ class Model:
     return ids
 
   def _run(self, prompt_ids: np.ndarray, cache: KVCache, max_new_tokens, temperature, seed,
-           top_k, top_p, min_p, repetition_penalty, stop_ids, stop, on_token, on_text):
+           top_k, top_p, min_p, repetition_penalty, stop_ids, stop, on_token, on_text,
+           draft=0, on_round=None):
     """Prefills `prompt_ids` after the cache's contents, then decodes. Returns (result, cache)."""
     from glmjax import sampling, text
     if temperature < 0:  # also checked by SamplingParams; kept for a plain message
@@ -200,7 +212,7 @@ class Model:
     before = self.engine.telemetry() if self.engine else {}
 
     t0 = time.perf_counter()
-    prefill, decode = self._steps(cache, toks)
+    prefill, decode = self._steps(cache, toks) if not draft else (None, None)
     compile_s = time.perf_counter() - t0
     key = jax.random.PRNGKey(seed)
     history = np.zeros((1, self.config.vocab_size), bool)
@@ -217,18 +229,14 @@ class Model:
       return int(sampling.sample(sub, logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p))
 
-    t0 = time.perf_counter()
-    logits, cache = prefill(cache, toks, n)
-    out, reason, pieces = [], "max_new_tokens", []
-    tok = pick(logits[0]) if max_new_tokens else None
-    prefill_s = time.perf_counter() - t0
+    out, pieces = [], []
+    reason = ["max_new_tokens"]
 
-    t0 = time.perf_counter()
-    first_step_s = None  # the first decode step may include tracing/compilation
-    while len(out) < max_new_tokens:
+    def emit(tok) -> bool:
+      """Records `tok`; True when generation must stop (stop token/string, or length)."""
       if tok in stops:
-        reason = "stop_token"
-        break
+        reason[0] = "stop_token"
+        return True
       out.append(tok)
       history[0, tok] = True
       if on_token:
@@ -238,19 +246,37 @@ class Model:
         if matcher is not None:
           piece, hit = matcher.feed(piece)
           if hit:
-            reason = "stop_string"
+            reason[0] = "stop_string"
         pieces.append(piece)
         if on_text and piece:
           on_text(piece)
-        if reason == "stop_string":
-          break
-      if len(out) == max_new_tokens:
-        break
-      logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
-      tok = pick(logits[0])
-      if first_step_s is None:
-        first_step_s = time.perf_counter() - t0
-    decode_s = time.perf_counter() - t0
+      return reason[0] == "stop_string" or len(out) >= max_new_tokens
+
+    spec_stats = {}
+    first_step_s = None  # the first decode step may include tracing/compilation
+    t0 = time.perf_counter()
+    if draft and max_new_tokens:
+      from glmjax import speculative
+      backend = (speculative.EngineBackend(self) if self.engine is not None
+                 else speculative.ResidentBackend(self))
+      probs = lambda lg: sampling.probs(lg, temperature=max(temperature, 1e-6), top_k=top_k,
+                                        top_p=top_p, min_p=min_p)
+      spec_stats = speculative.run(backend, self.config, cache, toks, n, max_new_tokens, emit,
+                                   pick, probs, temperature == 0, draft, seed, on_round)
+      prefill_s, decode_s, first_step_s = 0.0, time.perf_counter() - t0, 0.0
+      cache = None  # the speculative loop owns its caches
+    else:
+      logits, cache = prefill(cache, toks, n)
+      tok = pick(logits[0]) if max_new_tokens else None
+      prefill_s = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      while max_new_tokens and not emit(tok):
+        logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+        tok = pick(logits[0])
+        if first_step_s is None:
+          first_step_s = time.perf_counter() - t0
+      decode_s = time.perf_counter() - t0
+    reason = reason[0]
     if stream is not None and reason != "stop_string":
       tail = stream.flush()
       tail = matcher.feed(tail)[0] + matcher.flush() if matcher is not None else tail
@@ -258,19 +284,21 @@ class Model:
       if on_text and tail:
         on_text(tail)
     steps = max(len(out) - 1, 0)  # decode steps run (the first token comes from the prefill)
-    if steps >= 2:  # steady state: from the second decode step on
+    if spec_stats:  # the speculative loop includes its prefill: rate over the whole call
+      rate = len(out) / decode_s if decode_s > 0 else 0.0
+    elif steps >= 2:  # steady state: from the second decode step on
       rate = (steps - 1) / max(decode_s - first_step_s, 1e-9)
     else:
       rate = steps / decode_s if steps and decode_s > 0 else 0.0
     stats = dict(prompt_tokens=float(n), new_tokens=float(len(out)), compile_s=compile_s,
                  prefill_s=prefill_s, decode_s=decode_s, first_step_s=first_step_s or 0.0,
-                 decode_tok_s=rate)
+                 decode_tok_s=rate, **spec_stats)
     if self.engine is not None:
       after = self.engine.telemetry()
       stats.update({k: v - before.get(k, 0.0) for k, v in after.items()})
       self.engine.close()
-    # The cache holds the prompt and every emitted token but the last (never fed back).
-    cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(out) - 1, 0), jnp.int32))
+    if cache is not None:  # it holds the prompt and every emitted token but the last
+      cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(out) - 1, 0), jnp.int32))
     result = GenerationResult(tokens=out, stats=stats, stop_reason=reason,
                               text="".join(pieces) if stream is not None else None)
     return result, cache

@@ -33,6 +33,7 @@ from glmjax.config import Config
 from glmjax.expert_io import ExpertReader, drop_page_cache
 from glmjax.layers import F32, rms_norm, swiglu
 from glmjax.model import KVCache, logits_of
+from glmjax.mtp import mtp_input, mtp_output_logits
 from glmjax.moe import combine, expert_terms, route
 from glmjax.quant import ExpertPool
 from glmjax.store import ExpertStore
@@ -95,6 +96,16 @@ def embed_step(embed, tokens):
   return embed[tokens].astype(F32)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def mtp_in_step(w: Weights, h, next_tokens, cfg: Config):
+  return mtp_input(w, w.mtp[0], h, next_tokens, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def mtp_out_step(w: Weights, x, cfg: Config):
+  return mtp_output_logits(w, w.mtp[0], x, cfg)
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -138,7 +149,8 @@ class OffloadEngine:
     if self.slots == 0:
       return
     if self.all_resident:
-      for layer in tqdm(self.moe_layers, desc="loading experts", disable=not progress,
+      mtp = [self.cfg.num_hidden_layers] if self.dense.mtp else []
+      for layer in tqdm(self.moe_layers + mtp, desc="loading experts", disable=not progress,
                         leave=False):
         pool = DevicePool(layer, self.slots, jax.tree_util.tree_map(
             jnp.asarray, self.store.read_layer(layer)))
@@ -190,7 +202,7 @@ class OffloadEngine:
       groups.append((active, terms_step(flat, dev.pool, jnp.asarray(slots, jnp.int32),
                                         jnp.asarray(active))))
     if cached:
-      groups.append(self._working_terms(flat, ids_np, cached))
+      groups.append(self._working_terms(layer, flat, ids_np, cached))
     arrived = {}
     for e in missing:  # lazily: each read is awaited only now, after resident work is queued
       blob = self.reader.wait(futures[e], layer, e)
@@ -198,7 +210,7 @@ class OffloadEngine:
       self.host.put((layer, e), blob)
       arrived[e] = blob
     if arrived:
-      groups.append(self._working_terms(flat, ids_np, arrived))
+      groups.append(self._working_terms(layer, flat, ids_np, arrived))
     self._admit(layer, union, {**cached, **arrived})
 
     active, ys = groups[-1]
@@ -206,11 +218,12 @@ class OffloadEngine:
       ys = merge_terms(jnp.asarray(act), terms, ys)
     return ys
 
-  def _working_terms(self, flat, ids_np, blobs: dict[int, np.ndarray]):
+  def _working_terms(self, layer: int, flat, ids_np, blobs: dict[int, np.ndarray]):
     """Terms of experts held as host bytes, through a transient padded device pool."""
     experts = sorted(blobs)
     width = _bucket(len(experts))
-    weights = [self.layout.unpack(blobs[e]) for e in experts]
+    layout = self.store.layout(layer)
+    weights = [layout.unpack(blobs[e]) for e in experts]
     weights += [weights[-1]] * (width - len(experts))
     pool = as_device_pool(weights)
     slot = {e: s for s, e in enumerate(experts)}
@@ -257,6 +270,24 @@ class OffloadEngine:
       self.heat.decay()
     new_cache = None if cache is None else KVCache(new_layers, cache.length)
     return logits_step(self.dense, x, cfg=cfg), x, new_cache
+
+  def mtp_forward(self, h, next_tokens, cache, start: int):
+    """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
+
+    Returns (logits `[B, S, V]`, block output `[B, S, D]`, the MTP layer cache). Its routed
+    experts come through the same tiers as the main layers' (the store's "mtp" group).
+    """
+    cfg, m = self.cfg, self.dense.mtp[0]
+    layer = cfg.num_hidden_layers
+    s = h.shape[1]
+    start = jnp.asarray(start, jnp.int32)
+    positions = start + jnp.arange(s, dtype=jnp.int32)
+    u = mtp_in_step(self.dense, h, jnp.asarray(next_tokens, jnp.int32), cfg=cfg)
+    x, flat, ids, w, cache, _ = attn_route_step(m.layer, u, positions, cache, start, None,
+                                                cfg=cfg, absorbed=s <= 4)
+    ys = self._experts(layer, flat, ids)
+    x = moe_finish_step(m.layer.mlp, x, flat, ys, w, cfg=cfg)
+    return mtp_out_step(self.dense, x, cfg=cfg), x, cache
 
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""

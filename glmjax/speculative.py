@@ -1,0 +1,227 @@
+"""MTP speculative decoding: draft with the MTP head, verify in one main forward, roll back.
+
+Positions: the main model has processed positions 0..p-1 (cache length p) and `tok` (position p)
+is sampled but not yet fed. MTP position i consumes (h_i, t_{i+1}) — the main model's pre-norm
+hidden state at i and the token after it — and predicts t_{i+2} (the DeepSeek-V3 recurrence;
+later draft steps feed the MTP block's own output instead of h).
+
+One round:
+  1. drafts d1..dk: d1 comes from the MTP step at position p-1 (done when the previous round was
+     absorbed); d_g (g ≥ 2) from a step at p+g-2 on the previous MTP output and d_{g-1};
+  2. verify [tok, d1..dk] at positions p..p+k in one main forward;
+  3. accept a prefix (greedy: argmax match; sampling: accept d with probability p(d), else
+     resample from p without d — the output distribution is exactly the plain sampler's);
+  4. roll back: the main cache keeps p+1+a positions; MTP positions p..p+a are recomputed from
+     the true hidden states (their draft-time entries are overwritten; later ones are never
+     visible before being rewritten, as attention masks keys by position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.attention import LayerCache
+from glmjax.config import Config
+from glmjax.layers import F32
+from glmjax.model import KVCache, forward, layer_forward
+from glmjax.mtp import init_mtp_cache, mtp_input, mtp_output_logits
+from glmjax.weights import Weights
+
+
+# --- the resident backend (jitted) -----------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed"),
+                   donate_argnames=("cache",))
+def main_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str, absorbed: bool):
+  """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, kernel=kernel)
+  return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
+def mtp_fn(w: Weights, h, next_tokens, cache: LayerCache, start, cfg: Config, kernel: str):
+  """MTP block at positions start..start+S-1: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
+  m = w.mtp[0]
+  positions = start + jnp.arange(h.shape[1], dtype=jnp.int32)
+  u = mtp_input(w, m, h, next_tokens, cfg)
+  x, cache, _ = layer_forward(m.layer, u, positions, cfg, cache, start, None,
+                              absorbed=h.shape[1] <= 4, kernel=kernel)
+  return mtp_output_logits(w, m, x, cfg), x, cache
+
+
+class ResidentBackend:
+  def __init__(self, model):
+    self.w, self.cfg = model.weights, model.config
+    self.kernel = model.options.resolved_moe_kernel
+
+  def main(self, cache, tokens, absorbed):
+    return main_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed)
+
+  def mtp(self, h, next_tokens, cache, start):
+    return mtp_fn(self.w, h, next_tokens, cache, jnp.asarray(start, jnp.int32), cfg=self.cfg,
+                  kernel=self.kernel)
+
+
+class EngineBackend:
+  def __init__(self, model):
+    self.engine = model.engine
+
+  def main(self, cache, tokens, absorbed):
+    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed)
+    return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+
+  def mtp(self, h, next_tokens, cache, start):
+    return self.engine.mtp_forward(h, next_tokens, cache, start)
+
+
+# --- draft length control --------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DraftController:
+  """Chooses the draft length k per round from live throughput (a small bandit).
+
+  Each k in 0..k_max keeps moving averages of tokens produced and seconds spent per round; the
+  k with the best tokens/second is used, every other k is tried once after warm-up and again
+  with a small probability, so costs that change (more misses from a wider expert union, lower
+  acceptance) move the choice. k = 0 is plain decoding, so "auto" falls back to it whenever
+  speculation does not pay.
+  """
+  k_max: int = 4
+  explore: float = 0.1
+  decay: float = 0.8
+  seed: int = 0
+
+  def __post_init__(self):
+    self.tokens = {}
+    self.seconds = {}
+    self.rng = random.Random(self.seed)
+
+  def choose(self) -> int:
+    untried = [k for k in range(self.k_max + 1) if k not in self.tokens]
+    if untried:
+      return untried[0]
+    if self.rng.random() < self.explore:
+      return self.rng.randrange(self.k_max + 1)
+    return max(self.tokens, key=lambda k: self.tokens[k] / max(self.seconds[k], 1e-9))
+
+  def update(self, k: int, tokens: int, seconds: float) -> None:
+    if k not in self.tokens:
+      self.tokens[k], self.seconds[k] = float(tokens), seconds
+    else:
+      self.tokens[k] = self.decay * self.tokens[k] + (1 - self.decay) * tokens
+      self.seconds[k] = self.decay * self.seconds[k] + (1 - self.decay) * seconds
+
+
+# --- acceptance -------------------------------------------------------------------------------
+
+def accept(logits, drafts, pick, probs, rng: np.random.Generator, greedy: bool):
+  """Verifies `drafts` against main logits `[k+1, V]`.
+
+  Returns (accepted count a, next token). Greedy: accept while argmax equals the draft; the
+  next token is the argmax at the first mismatch (or after the last draft). Sampling: accept d
+  with probability p(d) (the draft is a point mass), and on rejection sample from p with d
+  removed and renormalised, which reproduces p exactly.
+  """
+  for j, d in enumerate(drafts):
+    if greedy:
+      top = int(jnp.argmax(logits[j]))
+      if top != d:
+        return j, top
+      continue
+    p = np.asarray(probs(logits[j]), np.float64)
+    if rng.random() < p[d]:
+      continue
+    p[d] = 0.0
+    return j, int(rng.choice(len(p), p=p / p.sum()))
+  return len(drafts), pick(logits[len(drafts)])
+
+
+def _bucket(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, pick, probs,
+        greedy: bool, draft, seed: int = 0, on_round=None):
+  """Speculative generation after the prompt `toks` `[1, S]` (first `n` real).
+
+  `emit(token) -> bool` records a new token and says whether to stop; `pick(logits)` samples
+  the plain distribution, `probs(logits)` returns it. `draft` is an int k ≥ 1 or "auto".
+  Returns a stats dict (draft_proposed, draft_accepted, tokens_per_forward, verify_forwards).
+  """
+  start = int(cache.length)
+  cap = cache.layers[0].latent.shape[1]
+  logits, x, cache = backend.main(cache, toks, absorbed=False)
+  cache = KVCache(cache.layers, jnp.asarray(start + n, jnp.int32))
+  prompt = np.asarray(toks[0, :n])
+  tok = pick(logits[0, n - 1])
+  mcache = init_mtp_cache(cfg, 1, cap)
+  # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
+  # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
+  # is next needed, so k = 0 rounds cost exactly a plain decode step.
+  pending_h, pending_t, pending_at = x[:, :n], list(prompt[1:]), start
+  ctrl = DraftController(seed=seed) if draft == "auto" else None
+  rng = np.random.default_rng(seed + 1)
+  st = dict(draft_proposed=0, draft_accepted=0, verify_forwards=0, emitted=0)
+  p = start + n  # main cache length; `tok` sits at position p
+  while True:
+    st["emitted"] += 1
+    if emit(tok):
+      break
+    remaining = max_new - st["emitted"]
+    k = ctrl.choose() if ctrl else int(draft)
+    k = max(0, min(k, remaining - 1, cap - p - 1))
+    t0 = time.perf_counter()
+    drafts = []
+    if k:
+      m = pending_h.shape[1]
+      width = min(_bucket(m), cap - pending_at)  # padded: fewer shapes to compile
+      hp = jnp.pad(pending_h, ((0, 0), (0, width - m), (0, 0)))
+      tp = jnp.asarray([pending_t + [tok] + [0] * (width - m)], jnp.int32)
+      mlog, mx, mcache = backend.mtp(hp, tp, mcache, pending_at)
+      drafts.append(int(jnp.argmax(mlog[0, m - 1])))
+      h = mx[:, m - 1:m]
+      pending_h, pending_t, pending_at = pending_h[:, :0], [], p
+      for g in range(1, k):
+        mlog, h, mcache = backend.mtp(h, jnp.asarray([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
+        drafts.append(int(jnp.argmax(mlog[0, 0])))
+    else:
+      pending_t = pending_t + [tok]  # the last pending hidden's next token
+    verify = jnp.asarray([[tok] + drafts], jnp.int32)
+    logits, xv, cache = backend.main(cache, verify, absorbed=True)
+    a, nxt = accept(logits[0], drafts, pick, probs, rng, greedy)
+    if on_round is not None:
+      on_round(dict(position=p, tokens=[tok] + drafts, logits=np.asarray(logits[0]), accepted=a))
+    cache = KVCache(cache.layers, jnp.asarray(p + 1 + a, jnp.int32))  # roll back the rest
+    st["draft_proposed"] += k
+    st["draft_accepted"] += a
+    st["verify_forwards"] += 1
+    # Hidden states of tok and the accepted drafts feed the MTP head next time it drafts; each
+    # pairs with the token after it (the last one with `nxt`, added when drafting).
+    pending_h = jnp.concatenate([pending_h, xv[:, :a + 1]], axis=1)
+    pending_t = pending_t + drafts[:a]
+    stop = False
+    for d in drafts[:a]:
+      st["emitted"] += 1
+      if emit(d):
+        stop = True
+        break
+    if ctrl:
+      ctrl.update(k, a + 1, time.perf_counter() - t0)
+    if stop:
+      break
+    p += 1 + a
+    tok = nxt
+  fwd = max(st["verify_forwards"], 1)
+  return {"draft_proposed": float(st["draft_proposed"]),
+          "draft_accepted": float(st["draft_accepted"]),
+          "verify_forwards": float(st["verify_forwards"]),
+          "tokens_per_forward": (st["draft_accepted"] + st["verify_forwards"]) / fwd}
