@@ -295,7 +295,11 @@ class Model:
                  decode_tok_s=rate, **spec_stats)
     if self.engine is not None:
       after = self.engine.telemetry()
-      stats.update({k: v - before.get(k, 0.0) for k, v in after.items()})
+      gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
+      stats.update({k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()})
+      if stats.get("pilot_actual"):
+        stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
+        stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
       self.engine.close()
     if cache is not None:  # it holds the prompt and every emitted token but the last
       cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(out) - 1, 0), jnp.int32))
@@ -381,5 +385,6 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
                            top_k=cfg.num_experts_per_tok)
   engine = OffloadEngine(cfg, dense, experts, budgets, io_workers=opts.io_workers,
                          io_timeout_s=opts.io_timeout_s, cold=opts.cold, progress=opts.progress,
-                         kernel="pallas" if opts.moe_kernel == "pallas" else "xla")
+                         kernel="pallas" if opts.moe_kernel == "pallas" else "xla",
+                         prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k)
   return Model(cfg, dense, opts, path, engine)

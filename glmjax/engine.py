@@ -30,7 +30,7 @@ import numpy as np
 
 from glmjax.attention import attention
 from glmjax.config import Config
-from glmjax.expert_io import ExpertReader, drop_page_cache
+from glmjax.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
 from glmjax.layers import F32, rms_norm, swiglu
 from glmjax.model import KVCache, logits_of
 from glmjax.mtp import mtp_input, mtp_output_logits
@@ -42,6 +42,18 @@ from glmjax.weights import MoE, Weights
 from pallas_kernels import grouped_moe
 
 USAGE_FILE = "usage.json"
+COUPLE_FILE = "couple.npy"
+
+
+def _load_couple(path: str, layers: int, experts: int) -> np.ndarray:
+  """Co-activation counts expert(L) → expert(L+1), persisted between runs."""
+  try:
+    table = np.load(path)
+    if table.shape == (layers, experts, experts):
+      return table
+  except (OSError, ValueError):
+    pass
+  return np.zeros((layers, experts, experts), np.float32)
 
 
 # --- jitted steps ----------------------------------------------------------------------------
@@ -70,6 +82,15 @@ def moe_finish_step(m: MoE, x, flat, ys, w, cfg: Config):
 
 
 terms_step = jax.jit(expert_terms)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def pilot_step(next_lw, x, cfg: Config, k: int):
+  """Layer L+1's post-attention norm and router applied to layer L's post-attention residual:
+  the top `k` experts by biased score per position `[T, k]` (the "pilot" prediction)."""
+  h = rms_norm(x, next_lw.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+  scores = jax.nn.sigmoid(jnp.einsum("td,ed->te", h, next_lw.mlp.router.astype(F32)))
+  return jax.lax.top_k(scores + next_lw.mlp.bias.astype(F32), k)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -119,9 +140,11 @@ class OffloadEngine:
 
   def __init__(self, cfg: Config, dense: Weights, store: ExpertStore, budgets: Budgets,
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
-               progress: bool = True, kernel: str = "xla"):
+               progress: bool = True, kernel: str = "xla", prefetch: bool = True,
+               pilot_k: int = 6, couple_k: int = 4):
     self.cfg, self.dense, self.store = cfg, dense, store
     self.kernel = kernel
+    self.pilot_k, self.couple_k = pilot_k, couple_k
     self.moe_layers = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
     self.layout = store.layout(self.moe_layers[0])
     self.chunk_bytes = self.layout.nbytes
@@ -138,6 +161,15 @@ class OffloadEngine:
     self.stats = collections.Counter()
     self.device: dict[int, DevicePool] = {}
     self._fill_device_tier(progress)
+    # Prefetch: only worth it when a landed expert has somewhere to stay.
+    self.prefetch = prefetch and not self.all_resident and (self.host.budget > 0 or self.slots > 0)
+    self.inflight: dict[tuple[int, int], tuple] = {}  # key → (future, kind)
+    self.landed_unused: set = set()  # prefetched, landed, not yet used
+    self.pilot_pred: dict[int, set] = {}  # layer → experts the pilot predicted this step
+    self.couple_path = os.path.join(store.path, COUPLE_FILE)
+    self.couple = _load_couple(self.couple_path, cfg.num_hidden_layers + len(dense.mtp),
+                               cfg.n_routed_experts)
+    self._prev_union: tuple[int, list] | None = None
 
   # -- setup --------------------------------------------------------------------------------
   def _read_blob(self, layer: int, expert: int) -> np.ndarray:
@@ -166,12 +198,76 @@ class OffloadEngine:
                                    self.device[layer].free_slot())
 
   def close(self):
-    """Persists the usage histogram that chooses the next run's pinned set."""
+    """Persists the usage histogram (next run's pinned set) and the co-activation table."""
     self.heat.save(self.usage_path)
+    if self.prefetch:
+      try:
+        np.save(self.couple_path + ".tmp.npy", self.couple)
+        os.replace(self.couple_path + ".tmp.npy", self.couple_path)
+      except OSError:
+        pass
+
+  # -- prefetch ------------------------------------------------------------------------------
+  def _resident(self, layer: int, e: int) -> bool:
+    dev = self.device.get(layer)
+    return (dev is not None and e in dev) or (layer, e) in self.host or (layer, e) in self.inflight
+
+  def hint(self, layer: int, experts, kind: int) -> None:
+    """Queues non-resident `experts` of `layer` for reading at priority `kind`."""
+    for e in experts:
+      e = int(e)
+      if self._resident(layer, e):
+        continue
+      fut = self.reader.submit(layer, e, kind)
+      if fut is None:
+        self.stats["prefetch_dropped"] += 1
+        continue
+      self.inflight[(layer, e)] = (fut, kind)
+      self.stats["prefetch_issued"] += 1
+
+  def _land(self, protect) -> None:
+    """Moves finished prefetches into the host cache (and free device slots)."""
+    for key, (fut, kind) in list(self.inflight.items()):
+      if kind == DEMAND or not fut.done():
+        continue
+      del self.inflight[key]
+      if fut.exception() is not None:
+        self.stats["prefetch_failed"] += 1  # a hint failing is not an error; demand retries
+        continue
+      blob = fut.result()
+      self.stats["expert_bytes_read"] += blob.nbytes
+      self._put_host(key, blob, protect)
+      dev = self.device.get(key[0])
+      slot = dev.free_slot() if dev is not None else None
+      if slot is not None:
+        dev.install(key[1], self.store.layout(key[0]).unpack(blob), slot)
+      if key in self.host or (dev is not None and key[1] in dev):
+        self.landed_unused.add(key)
+      else:
+        self.stats["prefetch_wasted"] += 1
+
+  def _put_host(self, key, blob, protect=()) -> None:
+    for victim in self.host.put(key, blob, protect):
+      if victim in self.landed_unused:
+        self.landed_unused.discard(victim)
+        self.stats["prefetch_wasted"] += 1
+
+  def _predict(self, layer: int, union: list, next_layer: int | None, pilot) -> None:
+    """Pilot and co-activation hints for `next_layer`, after `layer`'s union is known."""
+    if next_layer is None:
+      return
+    if pilot is not None:
+      pred = {int(e) for e in np.unique(np.asarray(pilot))}
+      self.pilot_pred[next_layer] = pred
+      self.hint(next_layer, sorted(pred), PILOT)
+    if self.couple_k:
+      score = self.couple[layer][union].sum(axis=0)
+      top = [int(e) for e in np.argsort(-score, kind="stable")[:self.couple_k] if score[e] > 0]
+      self.hint(next_layer, top, COUPLE)
 
   # -- per-layer expert resolution ----------------------------------------------------------
-  def _experts(self, layer: int, flat, ids):
-    """Unweighted expert terms `[T, K, D]` of one MoE layer."""
+  def _experts(self, layer: int, flat, ids, next_layer=None, pilot=None):
+    """Unweighted expert terms `[T, K, D]` of one MoE layer (and hints for `next_layer`)."""
     dev = self.device.get(layer)
     if self.all_resident:
       return terms_step(flat, dev.pool, ids)
@@ -179,6 +275,18 @@ class OffloadEngine:
     union = [int(e) for e in np.unique(ids_np)]
     self.heat.use(layer, union)
     self.stats["experts_used"] += len(union)
+    keys = {(layer, e) for e in union}
+    if self.prefetch:
+      self._land(protect=keys)
+      pred = self.pilot_pred.pop(layer, None)
+      if pred is not None:
+        hit = len(pred & set(union))
+        self.stats["pilot_hits"] += hit
+        self.stats["pilot_predicted"] += len(pred)
+        self.stats["pilot_actual"] += len(union)
+      for key in keys & self.landed_unused:
+        self.landed_unused.discard(key)
+        self.stats["prefetch_useful"] += 1
     pinned = [e for e in union if dev is not None and e in dev]
     cached, missing, futures = {}, [], {}
     for e in union:
@@ -187,9 +295,18 @@ class OffloadEngine:
       blob = self.host.get((layer, e))
       if blob is not None:
         cached[e] = blob
+      elif (layer, e) in self.inflight:  # a prefetch still loading: wait for it, no re-read
+        missing.append(e)
+        futures[e] = self.inflight.pop((layer, e))[0]
+        self.stats["prefetch_late"] += 1
       else:
         missing.append(e)
         futures[e] = self.reader.submit(layer, e)  # every miss dispatched up front
+    if self.prefetch:
+      self._predict(layer, union, next_layer, pilot)
+      if self._prev_union is not None and self._prev_union[0] < layer:
+        self.couple[self._prev_union[0]][np.ix_(self._prev_union[1], union)] += 1.0
+      self._prev_union = (layer, union)
     self.stats["expert_pin_hits"] += len(pinned)
     self.stats["expert_host_hits"] += len(cached)
     self.stats["expert_misses"] += len(missing)
@@ -207,7 +324,7 @@ class OffloadEngine:
     for e in missing:  # lazily: each read is awaited only now, after resident work is queued
       blob = self.reader.wait(futures[e], layer, e)
       self.stats["expert_bytes_read"] += blob.nbytes
-      self.host.put((layer, e), blob)
+      self._put_host((layer, e), blob, keys)
       arrived[e] = blob
     if arrived:
       groups.append(self._working_terms(layer, flat, ids_np, arrived))
@@ -256,14 +373,20 @@ class OffloadEngine:
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = embed_step(self.dense.embed, tokens)
     selection, new_layers = None, []
-    for i, lw in enumerate(self.dense.layers):
+    self._prev_union = None
+    layers = self.dense.layers
+    for i, lw in enumerate(layers):
       lc = None if cache is None else cache.layers[i]
       x, flat, ids, w, lc, selection = attn_route_step(lw, x, positions, lc, start, selection,
                                                        cfg=cfg, absorbed=absorbed)
       if ids is not None and self.all_resident and self.kernel == "pallas":
         x = moe_pallas_step(lw.mlp, x, flat, self.device[i].pool, ids, w, cfg=cfg)
       elif ids is not None:
-        ys = self._experts(i, flat, ids)
+        nxt = i + 1 if i + 1 < len(layers) and isinstance(layers[i + 1].mlp, MoE) else None
+        pilot = None
+        if self.prefetch and self.pilot_k and nxt is not None:
+          pilot = pilot_step(layers[nxt], x, cfg=cfg, k=min(self.pilot_k, cfg.n_routed_experts))
+        ys = self._experts(i, flat, ids, nxt, pilot)
         x = moe_finish_step(lw.mlp, x, flat, ys, w, cfg=cfg)
       new_layers.append(lc)
     if not self.all_resident:
@@ -293,6 +416,9 @@ class OffloadEngine:
     """Flat numeric counters since construction (callers take differences)."""
     out = {k: float(v) for k, v in self.stats.items()}
     out["all_resident"] = float(self.all_resident)  # fast path: no per-expert accounting
+    if self.prefetch:
+      out["prefetch_unused"] = float(len(self.landed_unused))
+      out["prefetch_inflight"] = float(sum(1 for f, k in self.inflight.values() if k != DEMAND))
     out["io_service_s"] = self.reader.service_s
     out["io_wait_s"] = self.reader.wait_s
     return out

@@ -23,25 +23,40 @@ class ExpertIOError(GlmjaxError):
   """A failed, corrupt or stalled expert read; the message names the layer and expert."""
 
 
+# Read priorities: lower is served first. Demand misses (including a verify pass's union)
+# before pilot predictions before co-activation predictions.
+DEMAND, PILOT, COUPLE = 0, 2, 3
+
+
 class ExpertReader:
-  """Reads expert chunk bytes with `workers` threads; `submit` returns a Future of the bytes."""
+  """Reads expert chunk bytes with `workers` threads from a priority queue.
+
+  `submit` returns a Future of the bytes. Hints (priority > DEMAND) are dropped rather than
+  queued once `max_hints` are waiting, so prediction never delays demand for long.
+  """
 
   def __init__(self, read_fn: Callable[[int, int], np.ndarray], workers: int = 4,
-               timeout_s: float = 60.0):
+               timeout_s: float = 60.0, max_hints: int = 64):
     if workers < 1:
       raise ValueError(f"io_workers must be ≥ 1, got {workers}")
     self.read_fn = read_fn
     self.timeout_s = timeout_s
+    self.max_hints = max_hints
     self.service_s = 0.0  # summed time the reads themselves took
     self.wait_s = 0.0  # time the compute thread spent blocked on reads
     self._lock = threading.Lock()
-    self._q: queue.Queue = queue.Queue()
+    self._q: queue.PriorityQueue = queue.PriorityQueue()
+    self._seq = 0
+    self._hints = 0
     for i in range(workers):
       threading.Thread(target=self._worker, name=f"glmjax-io-{i}", daemon=True).start()
 
   def _worker(self):
     while True:
-      layer, expert, fut = self._q.get()
+      priority, _, layer, expert, fut = self._q.get()
+      if priority > DEMAND:
+        with self._lock:
+          self._hints -= 1
       if not fut.set_running_or_notify_cancel():
         continue
       t0 = time.perf_counter()
@@ -55,9 +70,16 @@ class ExpertReader:
         with self._lock:
           self.service_s += time.perf_counter() - t0
 
-  def submit(self, layer: int, expert: int) -> cf.Future:
+  def submit(self, layer: int, expert: int, priority: int = DEMAND) -> cf.Future | None:
+    """Queues a read; None when a hint was dropped because the hint queue is full."""
     fut: cf.Future = cf.Future()
-    self._q.put((layer, expert, fut))
+    with self._lock:
+      if priority > DEMAND:
+        if self._hints >= self.max_hints:
+          return None
+        self._hints += 1
+      self._seq += 1
+      self._q.put((priority, self._seq, layer, expert, fut))
     return fut
 
   def wait(self, fut: cf.Future, layer: int, expert: int) -> np.ndarray:

@@ -33,6 +33,10 @@ class Options:
     io_workers: threads reading experts from the store.
     io_timeout_s: a read not done by then fails with an error naming the layer and expert.
     cold: drop the store's pages from the OS page cache before running (honest disk figures).
+    prefetch: queue predicted experts (pilot and co-activation) for reading ahead.
+    pilot_k: experts per position the pilot predicts for the next layer (colibri's default
+      under real loads is 6; more floods the queue).
+    couple_k: experts the co-activation table predicts for the next layer.
   """
 
   dtype: str = "float32"
@@ -44,6 +48,9 @@ class Options:
   io_workers: int = 4
   io_timeout_s: float = 60.0
   cold: bool = False
+  prefetch: bool = True
+  pilot_k: int = 6
+  couple_k: int = 4
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -54,14 +61,18 @@ class Options:
       raise InputError(f"max_context must be positive, got {self.max_context}")
     if not isinstance(self.io_workers, int) or self.io_workers < 1:
       raise InputError(f"io_workers must be an integer ≥ 1, got {self.io_workers!r}")
+    for name in ("pilot_k", "couple_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 0:
+        raise InputError(f"{name} must be an integer ≥ 0, got {v!r}")
     if not self.io_timeout_s > 0:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
 
   @property
   def offload_set(self) -> bool:
     """Whether any offload option differs from its default."""
-    return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold) != (
-        None, None, 4, False)
+    return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold,
+            self.prefetch, self.pilot_k, self.couple_k) != (None, None, 4, False, True, 6, 4)
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> "Options":

@@ -43,18 +43,27 @@ class HostCache:
       self._items.move_to_end(key)
     return blob
 
-  def put(self, key, blob: np.ndarray) -> None:
-    """Inserts `blob`, evicting least recently used entries to stay within the budget."""
-    if blob.nbytes > self.budget:
-      return
+  def put(self, key, blob: np.ndarray, protect=()) -> list:
+    """Inserts `blob`, evicting least recently used entries (never those in `protect`) to stay
+    within the budget. Returns the evicted keys; `blob` is not inserted if no room can be made.
+    """
     if key in self._items:
       self._items.move_to_end(key)
-      return
-    while self.used + blob.nbytes > self.budget:
-      _, old = self._items.popitem(last=False)
-      self.used -= old.nbytes
+      return []
+    victims, room = [], self.budget - self.used
+    for k, v in self._items.items():  # least recently used first
+      if room >= blob.nbytes:
+        break
+      if k not in protect:
+        victims.append(k)
+        room += v.nbytes
+    if room < blob.nbytes:
+      return []
+    for k in victims:
+      self.used -= self._items.pop(k).nbytes
     self._items[key] = blob
     self.used += blob.nbytes
+    return victims
 
   def keys(self) -> list:
     """Keys from least to most recently used."""

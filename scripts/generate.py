@@ -37,6 +37,18 @@ flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (store on
 flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (store only; 0 = none).")
 flags.DEFINE_integer("io_workers", 4, "Expert read threads (store only).", lower_bound=1)
 flags.DEFINE_bool("cold", False, "Drop the store from the OS page cache first (store only).")
+flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
+                    "or 'auto' (chosen from live throughput).")
+flags.DEFINE_bool("prefetch", True, "Prefetch predicted experts (store only).")
+
+
+def parse_draft(text: str):
+  if text == "auto":
+    return "auto"
+  try:
+    return int(text)
+  except ValueError:
+    raise glmjax.InputError(f"--draft must be an integer or 'auto', got {text!r}") from None
 
 
 def parse_ids(text: str) -> list[int]:
@@ -70,6 +82,9 @@ def summary(result) -> str:
     pin, host = 100 * s["expert_pin_hits"] / used, 100 * s["expert_host_hits"] / used
     line += (f" | hit {pin + host:.1f}% (pin {pin:.1f} + host {host:.1f}) | "
              f"{s['expert_bytes_read'] / 1e9:.2f} GB read, {s['io_wait_s']:.2f} s waited")
+  if s.get("draft_proposed"):
+    line += (f" | draft accept {100 * s['draft_accepted'] / s['draft_proposed']:.0f}%, "
+             f"{s['tokens_per_forward']:.2f} tok/forward")
   return line + f" | {s['decode_tok_s']:.1f} tok/s"
 
 
@@ -99,7 +114,8 @@ def run(model) -> None:
       raise glmjax.InputError("this model has no tokenizer: use --prompt_ids")
     print(prompt, end="", flush=True)
     show = dict(on_text=lambda t: print(t, end="", flush=True))
-  result = model.generate(prompt, FLAGS.max_new_tokens, **kw, **show)
+  result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
+                          **show)
   print("\n" + summary(result))
 
 
@@ -108,11 +124,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing off the console
   offload = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb") if
              getattr(FLAGS, k) is not None}
-  if FLAGS.io_workers != 4 or FLAGS.cold:
-    offload.update(io_workers=FLAGS.io_workers, cold=FLAGS.cold)
+  if FLAGS.io_workers != 4 or FLAGS.cold or not FLAGS.prefetch:
+    offload.update(io_workers=FLAGS.io_workers, cold=FLAGS.cold, prefetch=FLAGS.prefetch)
   try:
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
+    parse_draft(FLAGS.draft)
     model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel, **offload)
     run(model)
   except glmjax.GlmjaxError as e:
