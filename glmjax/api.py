@@ -297,6 +297,11 @@ class Model:
       after = self.engine.telemetry()
       gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
       stats.update({k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()})
+      if stats.get("route_tokens"):
+        tokens = stats["route_tokens"]
+        stats["route_swap_rate"] = stats["route_swaps"] / (tokens * self.config.num_experts_per_tok)
+        stats["route_overlap"] = stats["route_overlap_sum"] / tokens
+        stats["route_kl"] = stats["route_kl_sum"] / tokens
       if stats.get("pilot_actual"):
         stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
         stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
@@ -386,5 +391,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
   engine = OffloadEngine(cfg, dense, experts, budgets, io_workers=opts.io_workers,
                          io_timeout_s=opts.io_timeout_s, cold=opts.cold, progress=opts.progress,
                          kernel="pallas" if opts.moe_kernel == "pallas" else "xla",
-                         prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k)
+                         prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
+                         cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
+                                      else None))
   return Model(cfg, dense, opts, path, engine)

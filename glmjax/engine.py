@@ -34,7 +34,7 @@ from glmjax.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cach
 from glmjax.layers import F32, rms_norm, swiglu
 from glmjax.model import KVCache, logits_of
 from glmjax.mtp import mtp_input, mtp_output_logits
-from glmjax.moe import combine, expert_terms, route
+from glmjax.moe import combine, expert_terms, route, route_cache_aware
 from glmjax.quant import ExpertPool
 from glmjax.store import ExpertStore
 from glmjax.tiers import DevicePool, Heat, HostCache, as_device_pool, empty_pool, should_repin
@@ -58,18 +58,28 @@ def _load_couple(path: str, layers: int, experts: int) -> np.ndarray:
 
 # --- jitted steps ----------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed"), donate_argnames=("cache",))
-def attn_route_step(lw, x, positions, cache, start, selection, cfg: Config, absorbed: bool):
-  """Attention (+ residual), then the MLP norm; MoE layers also route. Dense layers finish."""
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "cache_route"),
+                   donate_argnames=("cache",))
+def attn_route_step(lw, x, positions, cache, start, selection, cfg: Config, absorbed: bool,
+                    resident=None, cache_route=None):
+  """Attention (+ residual), then the MLP norm; MoE layers also route. Dense layers finish.
+
+  With `cache_route=(keep, rank)` and a `resident` `[E]` mask, MoE layers route cache-aware
+  (lossy) and the last output holds that routing's [swaps, overlap, kl] sums.
+  """
   h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
   a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
   x = x + a
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
-    return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection
+    return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection, None
   flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
+  if cache_route is not None:
+    ids, w, route_stats = route_cache_aware(flat, lw.mlp.router, lw.mlp.bias, cfg, resident,
+                                            *cache_route)
+    return x, flat, ids, w, cache, selection, route_stats
   ids, w = route(flat, lw.mlp.router, lw.mlp.bias, cfg)
-  return x, flat, ids, w, cache, selection
+  return x, flat, ids, w, cache, selection, None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -141,9 +151,10 @@ class OffloadEngine:
   def __init__(self, cfg: Config, dense: Weights, store: ExpertStore, budgets: Budgets,
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
                progress: bool = True, kernel: str = "xla", prefetch: bool = True,
-               pilot_k: int = 6, couple_k: int = 4):
+               pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None):
     self.cfg, self.dense, self.store = cfg, dense, store
     self.kernel = kernel
+    self.cache_route = cache_route
     self.pilot_k, self.couple_k = pilot_k, couple_k
     self.moe_layers = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
     self.layout = store.layout(self.moe_layers[0])
@@ -377,8 +388,19 @@ class OffloadEngine:
     layers = self.dense.layers
     for i, lw in enumerate(layers):
       lc = None if cache is None else cache.layers[i]
-      x, flat, ids, w, lc, selection = attn_route_step(lw, x, positions, lc, start, selection,
-                                                       cfg=cfg, absorbed=absorbed)
+      resident, aware = None, None
+      if self.cache_route and isinstance(lw.mlp, MoE) and not self.all_resident:
+        resident = jnp.asarray([self._resident(i, e) for e in range(cfg.n_routed_experts)])
+        aware = tuple(self.cache_route)
+      x, flat, ids, w, lc, selection, rstats = attn_route_step(
+          lw, x, positions, lc, start, selection, cfg=cfg, absorbed=absorbed, resident=resident,
+          cache_route=aware)
+      if rstats is not None:
+        swaps, overlap, kl = (float(v) for v in np.asarray(rstats))
+        self.stats["route_swaps"] += swaps
+        self.stats["route_overlap_sum"] += overlap
+        self.stats["route_kl_sum"] += kl
+        self.stats["route_tokens"] += flat.shape[0]
       if ids is not None and self.all_resident and self.kernel == "pallas":
         x = moe_pallas_step(lw.mlp, x, flat, self.device[i].pool, ids, w, cfg=cfg)
       elif ids is not None:
@@ -406,8 +428,8 @@ class OffloadEngine:
     start = jnp.asarray(start, jnp.int32)
     positions = start + jnp.arange(s, dtype=jnp.int32)
     u = mtp_in_step(self.dense, h, jnp.asarray(next_tokens, jnp.int32), cfg=cfg)
-    x, flat, ids, w, cache, _ = attn_route_step(m.layer, u, positions, cache, start, None,
-                                                cfg=cfg, absorbed=s <= 4)
+    x, flat, ids, w, cache, _, _ = attn_route_step(m.layer, u, positions, cache, start, None,
+                                                   cfg=cfg, absorbed=s <= 4)
     ys = self._experts(layer, flat, ids)
     x = moe_finish_step(m.layer.mlp, x, flat, ys, w, cfg=cfg)
     return mtp_out_step(self.dense, x, cfg=cfg), x, cache

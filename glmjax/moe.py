@@ -24,12 +24,9 @@ from pallas_kernels.reference import combine_in_order, take_experts
 GATHER_MAX_PAIRS = 64
 
 
-def route(x, router, bias, cfg: Config):
-  """Sigmoid router with a selection-only correction bias.
-
-  Returns (ids `[T, K]` int32 in rank order, weights `[T, K]` float32).
-  """
-  e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+def _scores(x, router, bias, cfg: Config):
+  """(sigmoid scores `[T, E]`, biased and group-limited selection scores `[T, E]`)."""
+  e = cfg.n_routed_experts
   scores = jax.nn.sigmoid(linear(x.astype(F32), router))  # [T, E]
   choice = scores + bias.astype(F32)
   if cfg.n_group > 1:
@@ -38,11 +35,54 @@ def route(x, router, bias, cfg: Config):
     _, keep = jax.lax.top_k(group_score, cfg.topk_group)
     group_mask = jnp.any(keep[..., None] == jnp.arange(cfg.n_group), axis=-2)  # [T, Gr]
     choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=-1), choice, -jnp.inf)
-  _, ids = jax.lax.top_k(choice, k)  # [T, K]
+  return scores, choice
+
+
+def _weights(scores, ids, cfg: Config):
   w = jnp.take_along_axis(scores, ids, axis=-1)
   if cfg.norm_topk_prob:
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-  return ids.astype(jnp.int32), w * cfg.routed_scaling_factor
+  return w * cfg.routed_scaling_factor
+
+
+def route(x, router, bias, cfg: Config):
+  """Sigmoid router with a selection-only correction bias.
+
+  Returns (ids `[T, K]` int32 in rank order, weights `[T, K]` float32).
+  """
+  scores, choice = _scores(x, router, bias, cfg)
+  _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, K]
+  return ids.astype(jnp.int32), _weights(scores, ids, cfg)
+
+
+def route_cache_aware(x, router, bias, cfg: Config, resident, keep: int, rank: int):
+  """Lossy routing that prefers resident experts (opt-in).
+
+  The true top-`keep` experts always stay; the other K − keep slots go to resident experts
+  (`resident` `[E]` bool) among the top-`rank` by biased score, in rank order, and only then
+  to the best-ranked non-resident ones. Returns (ids, weights, stats) where stats `[3]` sums
+  over tokens: swapped slots, routing-mass overlap Σ min(w_true, w_chosen), and
+  KL(w_true ‖ w_chosen) with the chosen mass smoothed by 1e-6.
+  """
+  k = cfg.num_experts_per_tok
+  rank = min(max(rank, k), cfg.n_routed_experts)
+  scores, choice = _scores(x, router, bias, cfg)
+  _, cand = jax.lax.top_k(choice, rank)  # [T, M] in rank order
+  r = jnp.arange(rank)
+  tier = jnp.where(r < keep, 0, jnp.where(resident[cand], 1, 2))  # [T, M]
+  # Stable order by (tier, rank): a single key tier·M + rank.
+  _, pick = jax.lax.top_k(-(tier * rank + r), k)
+  ids = jnp.take_along_axis(cand, pick, axis=-1).astype(jnp.int32)
+  true = cand[:, :k]
+  w_true, w = _weights(scores, true, cfg), _weights(scores, ids, cfg)
+  e = cfg.n_routed_experts
+  dense = lambda i, v: jnp.zeros((i.shape[0], e), F32).at[jnp.arange(i.shape[0])[:, None], i].add(v)
+  p, q = dense(true, w_true), dense(ids, w)
+  p, q = p / jnp.sum(p, -1, keepdims=True), q / jnp.sum(q, -1, keepdims=True)
+  swapped = jnp.sum(~jnp.any(ids[..., None] == true[:, None, :], axis=-1))
+  overlap = jnp.sum(jnp.minimum(p, q))
+  kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(p + 1e-30) - jnp.log(q + 1e-6)), 0.0))
+  return ids, w, jnp.stack([swapped.astype(F32), overlap, kl])
 
 
 def expert_outputs(x, ids, experts: Experts):

@@ -37,6 +37,9 @@ class Options:
     pilot_k: experts per position the pilot predicts for the next layer (colibri's default
       under real loads is 6; more floods the queue).
     couple_k: experts the co-activation table predicts for the next layer.
+    cache_route: opt-in, lossy: keep the true top-`route_keep` experts and fill the other
+      slots with resident experts among the top-`route_rank` by biased score (results then
+      depend on cache state). Reports route_swap_rate, route_overlap, route_kl.
   """
 
   dtype: str = "float32"
@@ -51,6 +54,9 @@ class Options:
   prefetch: bool = True
   pilot_k: int = 6
   couple_k: int = 4
+  cache_route: bool = False
+  route_keep: int = 2
+  route_rank: int = 12
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -61,7 +67,7 @@ class Options:
       raise InputError(f"max_context must be positive, got {self.max_context}")
     if not isinstance(self.io_workers, int) or self.io_workers < 1:
       raise InputError(f"io_workers must be an integer ≥ 1, got {self.io_workers!r}")
-    for name in ("pilot_k", "couple_k"):
+    for name in ("pilot_k", "couple_k", "route_keep", "route_rank"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 0:
         raise InputError(f"{name} must be an integer ≥ 0, got {v!r}")
@@ -72,7 +78,8 @@ class Options:
   def offload_set(self) -> bool:
     """Whether any offload option differs from its default."""
     return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold,
-            self.prefetch, self.pilot_k, self.couple_k) != (None, None, 4, False, True, 6, 4)
+            self.prefetch, self.pilot_k, self.couple_k, self.cache_route) != (
+                None, None, 4, False, True, 6, 4, False)
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> "Options":

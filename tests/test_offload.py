@@ -244,3 +244,47 @@ def test_peak_rss_within_budget(big_store):
   # The measurement can fail: caching every expert the run touched (most of the store) raises
   # the peak by most of their bytes.
   assert cached > total / 2 and everything >= base + 0.4 * cached, (base, everything, cached)
+
+
+def test_cache_aware_routing_matches_definition():
+  """Chosen experts: true top-J, then resident ones among the top-M in rank order, then the
+  best-ranked others (a loop reference over biased scores)."""
+  import jax.numpy as jnp
+  from glmjax.config import Config
+  from glmjax.moe import route_cache_aware
+  cfg = Config.from_dict({
+      "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+      "v_head_dim": 4, "n_routed_experts": 32, "num_experts_per_tok": 6})
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((20, 16)).astype(np.float32)
+  router = rng.standard_normal((32, 16)).astype(np.float32)
+  bias = 0.1 * rng.standard_normal(32).astype(np.float32)
+  resident = rng.random(32) < 0.3
+  ids, w, stats = route_cache_aware(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), cfg,
+                                    jnp.asarray(resident), 2, 12)
+  choice = 1 / (1 + np.exp(-(x.astype(np.float64) @ router.T))) + bias
+  swaps = 0
+  for t in range(20):
+    order = list(np.argsort(-choice[t], kind="stable"))
+    top_m = order[:12]
+    want = top_m[:2] + [e for e in top_m[2:] if resident[e]]
+    want += [e for e in top_m[2:] if e not in want]
+    want = want[:6]
+    assert list(np.asarray(ids[t])) == want
+    swaps += len(set(want) - set(order[:6]))
+  assert float(stats[0]) == swaps > 0
+  assert 0 < float(stats[1]) <= 20 and float(stats[2]) >= 0
+
+
+def test_cache_aware_routing_opt_in(store):
+  path, chunk, layers = store
+  kw = dict(progress=False, device_cache_gb=0, host_cache_gb=4 * chunk / GB)
+  plain = glmjax.load(path, **kw).generate(PROMPT, 10, stop_ids=[])
+  aware = glmjax.load(path, cache_route=True, **kw).generate(PROMPT, 10, stop_ids=[])
+  assert "route_swap_rate" not in plain.stats  # off by default
+  s = aware.stats
+  assert 0 < s["route_swap_rate"] <= 0.5  # at most K - keep = 2 of 4 slots swap
+  assert 0 < s["route_overlap"] <= 1 and s["route_kl"] >= 0
+  assert s["expert_misses"] <= plain.stats["expert_misses"]
