@@ -21,6 +21,8 @@ import time
 import ml_dtypes
 from absl import app, flags
 
+from glmjax.reporting import write_report
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("hidden", 512, "Model width D.")
 flags.DEFINE_integer("intermediate", 512, "Expert width I.")
@@ -80,11 +82,7 @@ def main(argv):
       "store_mb": sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dst)
                       for f in fs) / 2**20,
   }
-  text = json.dumps(result, indent=1)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(text)
-  print(text)
+  write_report(result, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from glmjax.reporting import write_report
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -174,13 +176,7 @@ def main(argv):
       print(json.dumps({k_: v for k_, v in entry.items()
                         if k_ != "traceback"}), flush=True)
 
-  text = json.dumps(report, indent=2)
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-      f.write(text)
-  else:
-    print(text)
+  write_report(report, FLAGS.out)
 
 
 if __name__ == "__main__":

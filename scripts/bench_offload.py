@@ -21,6 +21,8 @@ import tempfile
 
 from absl import app, flags, logging
 
+from glmjax.reporting import write_report
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
 flags.DEFINE_string("prompt", "import os\nimport sys\n\ndef main(", "Prompt text.")
@@ -84,11 +86,7 @@ def main(argv):
   result = {"store": path, "expert_bytes_total": total, "chunk_bytes": chunk,
             "moe_layers": n_layers, "experts": n_experts, "tokens": FLAGS.tokens,
             "repeats": FLAGS.repeats, "cold": FLAGS.cold, "rows": rows}
-  text = json.dumps(result, indent=1)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(text)
-  print(text)
+  write_report(result, FLAGS.out)
 
 
 if __name__ == "__main__":

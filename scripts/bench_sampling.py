@@ -12,7 +12,6 @@ exceeded glmjax's pre-selection (so its exact fallback ran), and whether both ke
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from glmjax.reporting import write_report
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -91,12 +92,7 @@ def main(argv):
       "jax": jax.__version__, "top_p": FLAGS.top_p, "repeats": FLAGS.repeats,
       "preselect": sampling.PRESELECT, "results": results,
   }
-  text = json.dumps(report, indent=2)
-  if FLAGS.out:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-  print(text)
+  write_report(report, FLAGS.out)
 
 
 if __name__ == "__main__":
