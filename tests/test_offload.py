@@ -83,7 +83,7 @@ def test_io_timing_does_not_change_results(store, reference):
 def test_accounting(store):
   path, chunk, layers = store
   model = glmjax.load(path, progress=False, device_cache_gb=2 * layers * chunk / GB,
-                      host_cache_gb=4 * chunk / GB)
+                      host_cache_gb=4 * chunk / GB, prefetch=False)
   s = model.generate(PROMPT, 8, stop_ids=[]).stats
   used = s["experts_used"]
   assert used > 0 and s["expert_pin_hits"] + s["expert_host_hits"] + s["expert_misses"] == used
@@ -187,25 +187,38 @@ def test_budget_refusals(store):
     glmjax.load(path, progress=False, host_cache_gb=-1)
 
 
-# Peak RSS from VmHWM: ru_maxrss survives exec on Linux, so in a child of the (large) pytest
-# process it would report the parent's peak.
+# Peak RSS growth of one engine, measured after a warm-up engine has compiled every step shape
+# (compilation peaks would otherwise dominate), by resetting the peak (VmHWM) through
+# /proc/self/clear_refs. ru_maxrss is no use here: it survives exec, so a child of the large
+# pytest process reports the parent's peak.
 _RSS_SCRIPT = """
-import sys, glmjax, numpy as np
-m = glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=float(sys.argv[2]))
+import gc, sys, glmjax, numpy as np
+def status(key):
+  return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
 toks = np.random.default_rng(0).integers(3, 90, size=(1, 64)).astype(np.int32)
+warm = glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=float(sys.argv[2]),
+                   prefetch=False)
+for _ in range(2):
+  warm.score(toks)
+del warm
+gc.collect()
+start = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+m = glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=float(sys.argv[2]),
+                prefetch=False)
 for _ in range(3):
   m.score(toks)
-print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0],
-      m.engine.host.used)
+print(status("VmHWM") - start, m.engine.host.used)
 """
 
 
 def _peak_rss(path, host_gb):
+  """(peak RSS growth of a measured engine in bytes, bytes its host cache holds)."""
   r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, path, str(host_gb)],
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
-  peak, cached = r.stdout.strip().splitlines()[-1].split()
-  return int(peak), int(cached)
+  growth, cached = r.stdout.strip().splitlines()[-1].split()
+  return int(growth), int(cached)
 
 
 @pytest.fixture(scope="module")
@@ -232,18 +245,18 @@ def big_store(tmp_path_factory):
 def test_peak_rss_within_budget(big_store):
   path, total, chunk = big_store
   budget = 8 << 20
-  # Stated margin for this check: allocator slack, RSS noise and the transient working set of
-  # a 64-token step (its union of experts, bytes + device copy), ≤ 32 MB here. The baseline
-  # caches one expert, so it compiles the same host-hit code paths as the capped run.
-  margin = 32 << 20
-  base, _ = _peak_rss(path, 1.5 * chunk / GB)
+  # Stated margin (glmjax/budget.py): the transient working set of one step, 2 × min(E, rows·K)
+  # chunks (its union of experts as bytes, stacked, and as a device pool: ≈ 30 MB at 64 rows),
+  # plus 32 MB for dequantization temporaries, the engine's dense weights and allocator slack.
+  # Observed growth at an 8 MB budget: 36–54 MB.
+  margin = 2 * 64 * chunk + (32 << 20)
   capped, capped_cached = _peak_rss(path, budget / GB)
   everything, cached = _peak_rss(path, 1.0)
   assert capped_cached <= budget
-  assert capped <= base + budget + margin, (base, capped)
+  assert capped <= budget + margin, capped
   # The measurement can fail: caching every expert the run touched (most of the store) raises
-  # the peak by most of their bytes.
-  assert cached > total / 2 and everything >= base + 0.4 * cached, (base, everything, cached)
+  # the peak by about their bytes.
+  assert cached > total / 2 and everything >= 0.8 * cached, (everything, cached)
 
 
 def test_cache_aware_routing_matches_definition():
