@@ -263,7 +263,8 @@ class Model:
                                         top_p=top_p, min_p=min_p)
       spec_stats = speculative.run(backend, self.config, cache, toks, n, max_new_tokens, emit,
                                    pick, probs, temperature == 0, draft, seed, on_round)
-      prefill_s, decode_s, first_step_s = 0.0, time.perf_counter() - t0, 0.0
+      prefill_s = spec_stats.pop("prefill_s")
+      decode_s, first_step_s = time.perf_counter() - t0 - prefill_s, 0.0
       cache = None  # the speculative loop owns its caches
     else:
       logits, cache = prefill(cache, toks, n)
@@ -284,8 +285,8 @@ class Model:
       if on_text and tail:
         on_text(tail)
     steps = max(len(out) - 1, 0)  # decode steps run (the first token comes from the prefill)
-    if spec_stats:  # the speculative loop includes its prefill: rate over the whole call
-      rate = len(out) / decode_s if decode_s > 0 else 0.0
+    if spec_stats:  # tokens after the prefill's first, over the time after the prefill
+      rate = steps / decode_s if steps and decode_s > 0 else 0.0
     elif steps >= 2:  # steady state: from the second decode step on
       rate = (steps - 1) / max(decode_s - first_step_s, 1e-9)
     else:

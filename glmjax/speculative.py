@@ -155,14 +155,17 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
 
   `emit(token) -> bool` records a new token and says whether to stop; `pick(logits)` samples
   the plain distribution, `probs(logits)` returns it. `draft` is an int k ≥ 1 or "auto".
-  Returns a stats dict (draft_proposed, draft_accepted, tokens_per_forward, verify_forwards).
+  Returns a stats dict (prefill_s, draft_proposed, draft_accepted, tokens_per_forward,
+  verify_forwards).
   """
   start = int(cache.length)
   cap = cache.layers[0].latent.shape[1]
+  t0 = time.perf_counter()
   logits, x, cache = backend.main(cache, toks, absorbed=False)
   cache = KVCache(cache.layers, jnp.asarray(start + n, jnp.int32))
   prompt = np.asarray(toks[0, :n])
   tok = pick(logits[0, n - 1])
+  prefill_s = time.perf_counter() - t0
   mcache = init_mtp_cache(cfg, 1, cap)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
@@ -221,7 +224,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     p += 1 + a
     tok = nxt
   fwd = max(st["verify_forwards"], 1)
-  return {"draft_proposed": float(st["draft_proposed"]),
+  return {"prefill_s": prefill_s, "draft_proposed": float(st["draft_proposed"]),
           "draft_accepted": float(st["draft_accepted"]),
           "verify_forwards": float(st["verify_forwards"]),
           "tokens_per_forward": (st["draft_accepted"] + st["verify_forwards"]) / fwd}
