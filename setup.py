@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["glmjax", "glmjax.*", "pallas_kernels", "pallas_kernels.*"]),
     include_package_data=True,
+    package_data={"glmjax": ["embedded_model/*"]},
     install_requires=[
         "jax>=0.10",
         "numpy>=1.26",

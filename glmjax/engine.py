@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp

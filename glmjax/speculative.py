@@ -29,7 +29,6 @@ import numpy as np
 
 from glmjax.attention import LayerCache
 from glmjax.config import Config
-from glmjax.layers import F32
 from glmjax.model import KVCache, forward, layer_forward
 from glmjax.mtp import init_mtp_cache, mtp_input, mtp_output_logits
 from glmjax.weights import Weights

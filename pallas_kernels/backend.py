@@ -32,7 +32,6 @@ activations are split once outside the kernel instead of shuffling nibbles.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 import ml_dtypes
 from absl import app, flags

@@ -22,7 +22,7 @@ def test_embedded_model_exercises_every_feature(model):
   cfg = model.config
   assert {"dense", "sparse"} == set(cfg.mlp_layer_types)
   assert {"full", "shared"} == set(cfg.indexer_types)
-  assert cfg.index_topk < 32  # smaller than a typical prompt, so DSA selection really runs
+  assert cfg.index_topk < 1024  # smaller than the context, so DSA selection really runs
   assert cfg.n_group > 1 and len(model.weights.mtp) == 1
 
 
@@ -76,7 +76,7 @@ def _run(*args):
 
 
 def test_generate_script(model):
-  r = _run("--prompt_ids=5,6,7,8", "--max_new_tokens=5")
+  r = _run("--prompt_ids=5,6,7,8", "--max_new_tokens=5", "--temperature=0")
   assert r.returncode == 0, r.stderr
   lines = r.stdout.strip().splitlines()
   want = model.generate([5, 6, 7, 8], 5).tokens

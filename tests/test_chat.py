@@ -1,8 +1,6 @@
 """Text in, text out through the model: prompts, stop strings, chat sessions reusing the cache."""
 
-import json
 
-import numpy as np
 import pytest
 
 import glmjax
