@@ -204,8 +204,7 @@ class OffloadEngine:
       self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots))
       # Pin the hottest experts of past runs (the persisted usage histogram).
       for e in self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts):
-        self.device[layer].install(e, self.layout.unpack(self._read_blob(layer, e)),
-                                   self.device[layer].free_slot())
+        self.device[layer].install(e, self.store.read(layer, e), self.device[layer].free_slot())
 
   def close(self):
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
