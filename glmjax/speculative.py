@@ -88,25 +88,28 @@ class DraftController:
 
   Each k in 0..k_max keeps moving averages of tokens produced and seconds spent per round; the
   k with the best tokens/second is used, every other k is tried once after warm-up and again
-  with a small probability, so costs that change (more misses from a wider expert union, lower
-  acceptance) move the choice. k = 0 is plain decoding, so "auto" falls back to it whenever
-  speculation does not pay.
+  with a probability that decays as explore/√rounds (floor 1%), so costs that change (more
+  misses from a wider expert union, lower acceptance) still move the choice while exploration
+  costs little once the estimates settle. k = 0 is plain decoding, so "auto" falls back to it
+  whenever speculation does not pay.
   """
   k_max: int = 4
-  explore: float = 0.1
+  explore: float = 0.2
   decay: float = 0.8
   seed: int = 0
 
   def __post_init__(self):
     self.tokens = {}
     self.seconds = {}
+    self.rounds = 0
     self.rng = random.Random(self.seed)
 
   def choose(self) -> int:
+    self.rounds += 1
     untried = [k for k in range(self.k_max + 1) if k not in self.tokens]
     if untried:
       return untried[0]
-    if self.rng.random() < self.explore:
+    if self.rng.random() < max(0.01, self.explore / self.rounds ** 0.5):
       return self.rng.randrange(self.k_max + 1)
     return max(self.tokens, key=lambda k: self.tokens[k] / max(self.seconds[k], 1e-9))
 
