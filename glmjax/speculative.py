@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import time
 
 import jax
@@ -84,41 +83,59 @@ class EngineBackend:
 
 @dataclasses.dataclass
 class DraftController:
-  """Chooses the draft length k per round from live throughput (a small bandit).
+  """Chooses the draft length k per round from live throughput, never trusting stale numbers.
 
-  Each k in 0..k_max keeps moving averages of tokens produced and seconds spent per round; the
-  k with the best tokens/second is used, every other k is tried once after warm-up and again
-  with a probability that decays as explore/√rounds (floor 1%), so costs that change (more
-  misses from a wider expert union, lower acceptance) still move the choice while exploration
-  costs little once the estimates settle. k = 0 is plain decoding, so "auto" falls back to it
-  whenever speculation does not pay.
+  It starts from k = 0 (plain decoding). Every `probe_every` rounds it probes one candidate k
+  against the current choice in alternating rounds (c, best, c, best, ...), so both see the same
+  cache state and acceptance regime, and switches only if the candidate's tokens/second beat
+  the current choice by `margin`. Everything that costs time (acceptance, the extra misses of a
+  wider expert union, MTP steps) enters through the measured seconds. With little to gain,
+  "auto" stays at plain decoding apart from the short probes.
   """
   k_max: int = 4
-  explore: float = 0.2
-  decay: float = 0.8
-  seed: int = 0
+  margin: float = 0.05
+  first_probe: int = 4
+  probe_every: int = 32
+  probe_pairs: int = 2
 
   def __post_init__(self):
-    self.tokens = {}
-    self.seconds = {}
+    self.best = 0
     self.rounds = 0
-    self.rng = random.Random(self.seed)
+    self.queue: list[int] = []
+    self.samples: dict[int, list[float]] = {}
+    self.next_probe = self.first_probe
+    self.order = [k for k in range(1, self.k_max + 1)] + [0]
+    self.cursor = 0
+
+  def _candidate(self) -> int:
+    for _ in range(len(self.order)):
+      c = self.order[self.cursor % len(self.order)]
+      self.cursor += 1
+      if c != self.best:
+        return c
+    return self.best
 
   def choose(self) -> int:
     self.rounds += 1
-    untried = [k for k in range(self.k_max + 1) if k not in self.tokens]
-    if untried:
-      return untried[0]
-    if self.rng.random() < max(0.01, self.explore / self.rounds ** 0.5):
-      return self.rng.randrange(self.k_max + 1)
-    return max(self.tokens, key=lambda k: self.tokens[k] / max(self.seconds[k], 1e-9))
+    if not self.queue and self.rounds >= self.next_probe and self.k_max > 0:
+      c = self._candidate()
+      self.queue = [c, self.best] * self.probe_pairs
+      self.samples = {c: [0.0, 0.0], self.best: [0.0, 0.0]}
+    return self.queue[0] if self.queue else self.best
 
   def update(self, k: int, tokens: int, seconds: float) -> None:
-    if k not in self.tokens:
-      self.tokens[k], self.seconds[k] = float(tokens), seconds
-    else:
-      self.tokens[k] = self.decay * self.tokens[k] + (1 - self.decay) * tokens
-      self.seconds[k] = self.decay * self.seconds[k] + (1 - self.decay) * seconds
+    if not self.queue or k != self.queue[0]:
+      return
+    self.queue.pop(0)
+    self.samples[k][0] += tokens
+    self.samples[k][1] += seconds
+    if self.queue:
+      return
+    rate = {j: t / max(sec, 1e-9) for j, (t, sec) in self.samples.items()}
+    c = next(j for j in rate if j != self.best) if len(rate) > 1 else self.best
+    if rate.get(c, 0.0) > (1 + self.margin) * rate[self.best]:
+      self.best = c
+    self.next_probe = self.rounds + self.probe_every
 
 
 # --- acceptance -------------------------------------------------------------------------------
@@ -143,6 +160,10 @@ def accept(logits, drafts, pick, probs, rng: np.random.Generator, greedy: bool):
     p[d] = 0.0
     return j, int(rng.choice(len(p), p=p / p.sum()))
   return len(drafts), pick(logits[len(drafts)])
+
+
+# Most positions absorbed into the MTP cache when drafting resumes after plain rounds.
+ABSORB_WINDOW = 8
 
 
 def _bucket(n: int) -> int:
@@ -172,8 +193,10 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
   # is next needed, so k = 0 rounds cost exactly a plain decode step.
-  pending_h, pending_t, pending_at = x[:, :n], list(prompt[1:]), start
-  ctrl = DraftController(seed=seed) if draft == "auto" else None
+  # Hidden states stay on the host as a list of `[L, D]` pieces: appending device arrays of a
+  # new length every round would compile a concatenation per length.
+  pending_h, pending_t, pending_at = [np.asarray(x[0, :n])], list(prompt[1:]), start
+  ctrl = DraftController() if draft == "auto" else None
   rng = np.random.default_rng(seed + 1)
   st = dict(draft_proposed=0, draft_accepted=0, verify_forwards=0, emitted=0)
   p = start + n  # main cache length; `tok` sits at position p
@@ -187,14 +210,22 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     t0 = time.perf_counter()
     drafts = []
     if k:
-      m = pending_h.shape[1]
+      hs = np.concatenate(pending_h)  # [m, D]
+      ts = pending_t + [tok]
+      if len(hs) > ABSORB_WINDOW and pending_at > start:
+        # After a long stretch of plain decoding, absorb only the most recent positions: the
+        # MTP block then attends to a thinner history, which can only cost acceptance, never
+        # correctness (every draft is verified), and keeps probes from auto cheap.
+        skip = len(hs) - ABSORB_WINDOW
+        hs, ts, pending_at = hs[skip:], ts[skip:], pending_at + skip
+      m = hs.shape[0]
       width = min(_bucket(m), cap - pending_at)  # padded: fewer shapes to compile
-      hp = jnp.pad(pending_h, ((0, 0), (0, width - m), (0, 0)))
-      tp = jnp.asarray([pending_t + [tok] + [0] * (width - m)], jnp.int32)
+      hp = jnp.asarray(np.pad(hs, ((0, width - m), (0, 0)))[None])
+      tp = jnp.asarray([ts + [0] * (width - m)], jnp.int32)
       mlog, mx, mcache = backend.mtp(hp, tp, mcache, pending_at)
       drafts.append(int(jnp.argmax(mlog[0, m - 1])))
       h = mx[:, m - 1:m]
-      pending_h, pending_t, pending_at = pending_h[:, :0], [], p
+      pending_h, pending_t, pending_at = [], [], p
       for g in range(1, k):
         mlog, h, mcache = backend.mtp(h, jnp.asarray([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
         drafts.append(int(jnp.argmax(mlog[0, 0])))
@@ -211,7 +242,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     st["verify_forwards"] += 1
     # Hidden states of tok and the accepted drafts feed the MTP head next time it drafts; each
     # pairs with the token after it (the last one with `nxt`, added when drafting).
-    pending_h = jnp.concatenate([pending_h, xv[:, :a + 1]], axis=1)
+    pending_h.append(np.asarray(xv[0, :a + 1]))
     pending_t = pending_t + drafts[:a]
     stop = False
     for d in drafts[:a]:
