@@ -1,0 +1,157 @@
+"""The embedded model's corpus: the Python standard library's own source, with a fixed held-out split.
+
+Everything here is stdlib-only and deterministic: the file list is sorted, the held-out modules
+are named (they exist in CPython 3.10 to 3.13), and the bits-per-byte helpers define the metric
+quoted in BUILD_NOTES (total NLL in bits over a file's tokens / the file's UTF-8 bytes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+# Held out of tokenizer and model training. Paths relative to the stdlib root.
+HELD_OUT = (
+    "json/decoder.py", "textwrap.py", "argparse.py", "fractions.py", "heapq.py", "shlex.py",
+    "colorsys.py", "glob.py", "calendar.py", "sched.py",
+)
+# A small fixed slice of the held-out set, for fast tests.
+HELD_OUT_SMALL = ("json/decoder.py", "shlex.py", "colorsys.py")
+
+_SKIP_DIRS = ("test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
+              "lib2to3", "ensurepip", "_vendor")
+MAX_FILE_BYTES = 300_000  # skips generated tables and other outliers
+
+
+def stdlib_root() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+  """Sorted stdlib-relative paths of every usable `.py` file (test suites and huge files skipped)."""
+  root = root or stdlib_root()
+  out = []
+  for d, dirs, files in os.walk(root):
+    dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("."))
+    for f in files:
+      if not f.endswith(".py"):
+        continue
+      full = os.path.join(d, f)
+      if os.path.getsize(full) > MAX_FILE_BYTES:
+        continue
+      out.append(os.path.relpath(full, root).replace(os.sep, "/"))
+  return sorted(out)
+
+
+def read(rel: str, root: str | None = None) -> str | None:
+  """The file's text, or None when it is not valid UTF-8."""
+  try:
+    with open(os.path.join(root or stdlib_root(), rel), encoding="utf-8") as f:
+      return f.read()
+  except (UnicodeDecodeError, OSError):
+    return None
+
+
+def split(root: str | None = None) -> tuple[list[str], list[str]]:
+  """(train, held_out) relative paths; held_out keeps the HELD_OUT order, missing ones dropped."""
+  files = stdlib_files(root)
+  held = set(HELD_OUT)
+  train = [f for f in files if f not in held]
+  present = set(files)
+  return train, [f for f in HELD_OUT if f in present]
+
+
+REPO_HELD_OUT = ("api.py", "attention.py", "checkpoint.py", "config.py", "layers.py", "model.py",
+                 "moe.py", "weights.py", "text.py", "sampling.py")
+
+
+def non_stdlib_files() -> list[str]:
+  """Non-stdlib Python never trained on: this repo's own modules in REPO_HELD_OUT (absolute paths).
+
+  JAX array code with type hints and long docstrings, a different style from the stdlib.
+  """
+  here = os.path.dirname(os.path.abspath(__file__))
+  return [os.path.join(here, f) for f in REPO_HELD_OUT if os.path.exists(os.path.join(here, f))]
+
+
+def numpy_files(n: int = 10) -> list[str]:
+  """A fixed sample of the installed numpy package's Python source (absolute paths).
+
+  Chosen deterministically: sorted non-test `.py` files between 4 and 60 kB, every k-th one.
+  """
+  import numpy
+  root = os.path.dirname(numpy.__file__)
+  out = []
+  for d, dirs, files in os.walk(root):
+    dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
+    for f in sorted(files):
+      full = os.path.join(d, f)
+      if f.endswith(".py") and 4_000 <= os.path.getsize(full) <= 60_000:
+        out.append(full)
+  out.sort()
+  step = max(len(out) // n, 1)
+  return out[::step][:n]
+
+
+# --- bits per byte ---------------------------------------------------------------------------
+
+def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+  """Scoring windows over a stream of `n_tokens` predicted positions.
+
+  Returns (start, end, first_scored) triples: the model sees tokens [start, end) and scores the
+  predictions for positions [first_scored, end) (each position scored exactly once, with at
+  least `context - stride` tokens of left context after the first window).
+  """
+  stride = max(1, min(stride, context))
+  out = []
+  end = min(context, n_tokens)
+  out.append((0, end, 0))
+  while end < n_tokens:
+    new_end = min(end + stride, n_tokens)
+    out.append((max(new_end - context, 0), new_end, end))
+    end = new_end
+  return out
+
+
+def file_nll_bits(score: Callable[[np.ndarray], np.ndarray], ids: Sequence[int], context: int,
+                  stride: int, batch: int = 8) -> float:
+  """Total NLL in bits of `ids[1:]` given their prefixes, scored in windows.
+
+  `score` maps int32 tokens `[B, S]` to log-probabilities `[B, S, V]` (any equal-length batch).
+  `ids[0]` is the document separator and is not itself scored.
+  """
+  ids = np.asarray(ids, np.int32)
+  n = len(ids) - 1  # predicted positions 1..n, input positions 0..n-1
+  wins = windows(n, context, stride)
+  total = 0.0
+  # group equal-length windows into batches
+  by_len: dict[int, list] = {}
+  for w in wins:
+    by_len.setdefault(w[1] - w[0], []).append(w)
+  for length, group in by_len.items():
+    for i in range(0, len(group), batch):
+      chunk = group[i:i + batch]
+      x = np.stack([ids[s:e] for s, e, _ in chunk])
+      logp = np.asarray(score(x))
+      for row, (s, e, first) in enumerate(chunk):
+        tgt = ids[s + 1:e + 1]
+        lp = np.take_along_axis(logp[row], tgt[:, None], axis=-1)[:, 0]
+        total -= float(np.sum(lp[first - s:]))
+  return total / math.log(2)
+
+
+def bits_per_byte(score, texts: Iterable[str], encode: Callable[[str], list[int]], sep_id: int,
+                  context: int, stride: int, batch: int = 8) -> dict:
+  """Aggregate bits/byte of `texts`: Σ NLL bits / Σ UTF-8 bytes (each text prefixed by sep_id)."""
+  bits, nbytes, ntok = 0.0, 0, 0
+  for text in texts:
+    ids = [sep_id] + encode(text)
+    bits += file_nll_bits(score, ids, context, stride, batch)
+    nbytes += len(text.encode("utf-8"))
+    ntok += len(ids) - 1
+  return {"bits_per_byte": bits / max(nbytes, 1), "bytes": nbytes, "tokens": ntok,
+          "bits_per_token": bits / max(ntok, 1)}
