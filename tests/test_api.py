@@ -28,7 +28,7 @@ def test_embedded_model_exercises_every_feature(model):
 
 def test_generate_greedy_is_deterministic_and_consistent(model):
   prompt = list(range(3, 203))  # 200 tokens: longer than index_topk, so DSA selection runs
-  assert len(prompt) > 1.5 * glmjax.load.__globals__["embedded"].CONFIG["index_topk"]
+  assert len(prompt) > 1.5 * model.config.index_topk
   a = model.generate(prompt, 12, stop_ids=[])
   b = model.generate(prompt, 12, stop_ids=[])
   assert a.tokens == b.tokens and len(a.tokens) == 12
