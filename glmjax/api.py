@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Callable, Sequence
@@ -19,6 +20,27 @@ from glmjax.options import Options
 from glmjax.weights import Weights
 
 _MIN_BUCKET = 16
+
+
+# The sampler's knobs are static: one compile per setting, then one dispatch per token (eager
+# execution of the same ops cost ~200 ms per token on CPU).
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+def _sample(key, logits, temperature, top_k, top_p, min_p):
+  from glmjax import sampling
+  return sampling.sample(key, logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                         min_p=min_p)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+def _probs(logits, temperature, top_k, top_p, min_p):
+  from glmjax import sampling
+  return sampling.probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+@functools.partial(jax.jit, static_argnames=("penalty",))
+def _penalize(logits, seen, penalty):
+  from glmjax import sampling
+  return sampling.apply_repetition_penalty(logits[None], seen, penalty)[0]
 
 
 def _bucket(n: int) -> int:
@@ -221,13 +243,12 @@ class Model:
     def pick(logits):  # [V]
       nonlocal key
       if repetition_penalty != 1.0:
-        logits = sampling.apply_repetition_penalty(logits[None], jnp.asarray(history),
-                                                   repetition_penalty)[0]
+        logits = _penalize(logits, jnp.asarray(history), float(repetition_penalty))
       if temperature == 0:
         return int(jnp.argmax(logits))
       key, sub = jax.random.split(key)
-      return int(sampling.sample(sub, logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p))
+      return int(_sample(sub, logits, float(temperature), int(top_k), float(top_p),
+                         float(min_p)))
 
     out, pieces = [], []
     reason = ["max_new_tokens"]
@@ -259,8 +280,8 @@ class Model:
       from glmjax import speculative
       backend = (speculative.EngineBackend(self) if self.engine is not None
                  else speculative.ResidentBackend(self))
-      probs = lambda lg: sampling.probs(lg, temperature=max(temperature, 1e-6), top_k=top_k,
-                                        top_p=top_p, min_p=min_p)
+      probs = lambda lg: _probs(lg, float(max(temperature, 1e-6)), int(top_k), float(top_p),
+                                float(min_p))
       spec_stats = speculative.run(backend, self.config, cache, toks, n, max_new_tokens, emit,
                                    pick, probs, temperature == 0, draft, seed, on_round)
       prefill_s = spec_stats.pop("prefill_s")
