@@ -12,16 +12,12 @@ first (--cold). Reports the hit split (pin / host), misses, bytes read per token
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 from absl import app, flags, logging
 
-from glmjax.reporting import write_report
+from glmjax.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
@@ -34,7 +30,6 @@ flags.DEFINE_bool("cold", True, "Drop the store's pages from the OS page cache b
 flags.DEFINE_integer("io_workers", 4, "Expert read threads.")
 flags.DEFINE_string("out", None, "JSON output path (default: stdout).")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "experts_used",
         "expert_bytes_read", "io_service_s", "io_wait_s", "decode_tok_s")
 
@@ -43,18 +38,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  from glmjax import embedded
-  path = FLAGS.store
-  if path is None:
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_offload."), "store")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"),
-                    f"--src={embedded.ensure()}", f"--dst={path}", "--dense_dtype=float32"],
-                   check=True, capture_output=True)
-  manifest = json.load(open(os.path.join(path, "manifest.json")))
-  chunk = manifest["experts"]["main"]["layout"]["nbytes"]
-  n_layers = len(manifest["moe_layers"])
-  n_experts = manifest["source_config"]["n_routed_experts"]
-  total = chunk * n_layers * n_experts
+  path = bench_store(FLAGS.store, "bench_offload.")
+  geo = store_geometry(path)
+  total = geo["expert_bytes_total"]
   usage = os.path.join(path, "usage.json")
 
   def run(dev_frac, host_frac):
@@ -83,8 +69,7 @@ def main(argv):
         "host_pct": 100 * med["expert_host_hits"] / used,
         "bytes_per_token": med["expert_bytes_read"] / FLAGS.tokens,
         "same_tokens": all(r.tokens == runs[0].tokens for r in runs)})
-  result = {"store": path, "expert_bytes_total": total, "chunk_bytes": chunk,
-            "moe_layers": n_layers, "experts": n_experts, "tokens": FLAGS.tokens,
+  result = {"store": path, **geo, "tokens": FLAGS.tokens,
             "repeats": FLAGS.repeats, "cold": FLAGS.cold, "rows": rows}
   write_report(result, FLAGS.out)
 

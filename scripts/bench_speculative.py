@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 from absl import app, flags, logging
 
-from glmjax.reporting import write_report
+from glmjax.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
@@ -28,7 +25,6 @@ flags.DEFINE_list("host_fracs", ["0.25", "1.0"], "Host cache budgets, fractions 
 flags.DEFINE_list("drafts", ["0", "2", "auto"], "Draft settings.")
 flags.DEFINE_string("out", None, "JSON output path (default: stdout).")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    ",
            "class Cache:\n    def __init__(self, size):\n        ",
            "def parse_args(args):\n    parser = argparse.ArgumentParser(",
@@ -38,18 +34,9 @@ PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    ",
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  import json
   import glmjax
-  from glmjax import embedded
-  path = FLAGS.store
-  if path is None:
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_spec."), "store")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"),
-                    f"--src={embedded.ensure()}", f"--dst={path}", "--dense_dtype=float32"],
-                   check=True, capture_output=True)
-  m = json.load(open(os.path.join(path, "manifest.json")))
-  total = (m["experts"]["main"]["layout"]["nbytes"] * len(m["moe_layers"])
-           * m["source_config"]["n_routed_experts"])
+  path = bench_store(FLAGS.store, "bench_spec.")
+  total = store_geometry(path)["expert_bytes_total"]
 
   def one(host_frac, draft, prompt):
     for f in ("usage.json", "couple.npy"):
