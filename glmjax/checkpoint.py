@@ -12,6 +12,7 @@ import os
 import re
 from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -208,7 +209,6 @@ def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: b
 def hf_tensors(weights: Weights, cfg: Config) -> Iterator[tuple[str, np.ndarray]]:
   """The HF tensors of `weights` (inverse of loading): splits fused and stacked arrays."""
   tree = abstract(cfg, with_mtp=bool(weights.mtp))
-  import jax
   for info, arr in zip(leaves_with_info(tree), jax.tree_util.tree_leaves(weights)):
     arr = np.asarray(arr)
     per = len(info.hf_names)

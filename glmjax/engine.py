@@ -183,8 +183,7 @@ class OffloadEngine:
 
   # -- setup --------------------------------------------------------------------------------
   def _read_blob(self, layer: int, expert: int) -> np.ndarray:
-    group, row = self.store.where[layer]
-    return self.store.groups[group][0][row, expert].read().result()
+    return self.store.read_async(layer, expert).result()
 
   def _fill_device_tier(self, progress: bool):
     from tqdm import tqdm
