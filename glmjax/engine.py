@@ -322,7 +322,7 @@ class OffloadEngine:
 
     groups = []  # (active [T, K], terms) in the order they are computed
     if pinned:
-      slots = np.vectorize(lambda e: dev.slot_of.get(int(e), 0))(ids_np)
+      slots = _lookup(dev.slot_of, ids_np, self.cfg.n_routed_experts)
       active = np.isin(ids_np, pinned)
       groups.append((active, terms_step(flat, dev.pool, jnp.asarray(slots, jnp.int32),
                                         jnp.asarray(active))))
@@ -351,8 +351,7 @@ class OffloadEngine:
     weights = [layout.unpack(blobs[e]) for e in experts]
     weights += [weights[-1]] * (width - len(experts))
     pool = as_device_pool(weights)
-    slot = {e: s for s, e in enumerate(experts)}
-    slots = np.vectorize(lambda e: slot.get(int(e), 0))(ids_np)
+    slots = _lookup({e: s for s, e in enumerate(experts)}, ids_np, self.cfg.n_routed_experts)
     active = np.isin(ids_np, experts)
     return active, terms_step(flat, pool, jnp.asarray(slots, jnp.int32), jnp.asarray(active))
 
@@ -441,6 +440,13 @@ class OffloadEngine:
     out["io_service_s"] = self.reader.service_s
     out["io_wait_s"] = self.reader.wait_s
     return out
+
+
+def _lookup(slot_of: dict[int, int], ids, n_experts: int) -> np.ndarray:
+  """Slot of each expert id in `ids` (0 for experts not in `slot_of`; those pairs are inactive)."""
+  table = np.zeros(n_experts, np.int32)
+  table[list(slot_of)] = list(slot_of.values())
+  return table[ids]
 
 
 def _bucket(n: int) -> int:
