@@ -14,10 +14,10 @@ import jax.numpy as jnp
 
 from glmjax.config import Config
 from glmjax.layers import F32, linear, swiglu
-from glmjax.quant import ExpertPool, dequantize
+from glmjax.quant import ExpertPool
 from glmjax.weights import Experts, MoE
 from pallas_kernels import grouped_moe
-from pallas_kernels.reference import combine_in_order, take_experts
+from pallas_kernels.reference import combine_in_order, expert_terms
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
 # weights to a sorted ragged matmul, whose cost does not grow with duplicated experts.
@@ -113,39 +113,6 @@ def expert_outputs(x, ids, experts: Experts):
 
 # Σ_k w[:, k] · ys[:, k] in rank order k = 0..K-1; explicit adds fix the FP order.
 combine = combine_in_order
-
-# Quantized experts are computed per (token, rank) pair in chunks of this many pairs: every
-# pair's arithmetic then has the same shapes whatever the batch, the pool or the tier the expert
-# came from, which is what makes offloaded runs bitwise equal to resident ones.
-PAIR_CHUNK = 8
-
-
-def expert_terms(x, pool: ExpertPool, slots, active=None):
-  """Unweighted outputs `[T, K, D]` of quantized experts `pool[slots]` `[T, K]` for `x` `[T, D]`.
-
-  Pairs where `active` `[T, K]` is False yield 0 (their experts are computed elsewhere).
-  """
-  t, k = slots.shape
-  n = t * k
-  n_pad = -(-n // PAIR_CHUNK) * PAIR_CHUNK
-  tok = jnp.pad(jnp.repeat(jnp.arange(t), k), (0, n_pad - n))  # [P]
-  flat = jnp.pad(slots.reshape(-1), (0, n_pad - n))  # [P]
-  xs = x.astype(F32)[tok].reshape(-1, PAIR_CHUNK, x.shape[-1])  # [N, C, D]
-  ids = flat.reshape(-1, PAIR_CHUNK)  # [N, C]
-  inter = pool.intermediate
-
-  def chunk(args):
-    xc, sc = args  # [C, D], [C]
-    gu = dequantize(take_experts(pool.gate_up, sc))  # [C, 2I, D]
-    h = jnp.einsum("cd,cfd->cf", xc, gu, precision=jax.lax.Precision.HIGHEST)
-    a = jax.nn.silu(h[:, :inter]) * h[:, inter:]  # [C, I]
-    dn = dequantize(take_experts(pool.down, sc))  # [C, D, I]
-    return jnp.einsum("cf,cdf->cd", a, dn, precision=jax.lax.Precision.HIGHEST)
-
-  ys = jax.lax.map(chunk, (xs, ids)).reshape(n_pad, -1)[:n].reshape(t, k, -1)
-  if active is not None:
-    ys = jnp.where(active[..., None], ys, 0.0)
-  return ys
 
 
 def moe(m: MoE, x, cfg: Config, kernel: str = "xla"):

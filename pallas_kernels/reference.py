@@ -54,37 +54,41 @@ def dedupe_slots(slot_ids, bound: int | None = None):
   return uniq, n.reshape(1), inv.reshape(r, k)
 
 
-def _swiglu_down(h, pool: quant.ExpertPool, down_w, spec: str):
-  i = pool.intermediate
-  act = jax.nn.silu(h[..., :i]) * h[..., i:]
-  return jnp.einsum(spec, act, down_w, precision=lax.Precision.HIGHEST)
+# Experts are computed per (row, rank) pair in chunks of this many pairs: every pair's
+# arithmetic then has the same shapes whatever the batch, the pool or where an expert's weights
+# came from, which is what makes offloaded runs bitwise equal to resident ones.
+PAIR_CHUNK = 8
 
 
-def expert_terms(x, pool: quant.ExpertPool, slot_ids):
+def expert_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
   """Per (row, rank) expert outputs ``down_e(silu(gate_e x_r) * up_e x_r)``.
 
-  x [R, D], slot_ids [R, K] -> [R, K, D] f32. Only selected experts are
-  gathered and dequantized. With few rows (R*K <= S, decode) each (r, k) is
-  its own matrix-vector product; with many rows each distinct expert is
-  dequantized once and applied to all rows, then (r, k) picks its row. In
-  both cases a term never depends on slot positions or other selections.
+  x [R, D], slot_ids [R, K] -> [R, K, D] f32. Only selected experts are gathered and
+  dequantized. Pairs where ``active`` [R, K] is False yield 0 (computed elsewhere).
   """
   hp = lax.Precision.HIGHEST
-  xf = x.astype(jnp.float32)
   r, k = slot_ids.shape
-  if r * k <= pool.num_slots:
-    with jax.named_scope("per_pair"):
-      gu = quant.dequantize(take_experts(pool.gate_up, slot_ids))  # [R, K, 2I, D]
-      h = jnp.einsum("rd,rkid->rki", xf, gu, precision=hp)  # [R, K, 2I]
-      dn = quant.dequantize(take_experts(pool.down, slot_ids))  # [R, K, D, I]
-      return _swiglu_down(h, pool, dn, "rki,rkdi->rkd")  # [R, K, D]
-  with jax.named_scope("per_expert"):
-    uniq, _, inv = dedupe_slots(slot_ids, pool.num_slots)
-    gu = quant.dequantize(take_experts(pool.gate_up, uniq))  # [U, 2I, D]
-    h = jnp.einsum("rd,uid->uri", xf, gu, precision=hp)  # [U, R, 2I]
-    dn = quant.dequantize(take_experts(pool.down, uniq))  # [U, D, I]
-    y = _swiglu_down(h, pool, dn, "uri,udi->urd")  # [U, R, D]
-    return y[inv, jnp.arange(r)[:, None]]  # [R, K, D]
+  n = r * k
+  n_pad = -(-n // PAIR_CHUNK) * PAIR_CHUNK
+  row = jnp.pad(jnp.repeat(jnp.arange(r), k), (0, n_pad - n))  # [P]
+  flat = jnp.pad(slot_ids.reshape(-1), (0, n_pad - n))  # [P]
+  xs = x.astype(jnp.float32)[row].reshape(-1, PAIR_CHUNK, x.shape[-1])  # [N, C, D]
+  ids = flat.reshape(-1, PAIR_CHUNK)  # [N, C]
+  inter = pool.intermediate
+
+  def chunk(args):
+    xc, sc = args  # [C, D], [C]
+    gu = quant.dequantize(take_experts(pool.gate_up, sc))  # [C, 2I, D]
+    h = jnp.einsum("cd,cfd->cf", xc, gu, precision=hp)
+    a = jax.nn.silu(h[:, :inter]) * h[:, inter:]  # [C, I]
+    dn = quant.dequantize(take_experts(pool.down, sc))  # [C, D, I]
+    return jnp.einsum("cf,cdf->cd", a, dn, precision=hp)
+
+  with jax.named_scope("per_pair"):
+    ys = lax.map(chunk, (xs, ids)).reshape(n_pad, -1)[:n].reshape(r, k, -1)
+  if active is not None:
+    ys = jnp.where(active[..., None], ys, 0.0)
+  return ys
 
 
 def grouped_moe_reference(x, pool: quant.ExpertPool, slot_ids, weights):

@@ -141,9 +141,9 @@ def _permuted(pool, perm):
     (4, dict(backend="pallas", interpret=True, flavour="prefetch")),
     (4, dict(backend="pallas", interpret=True, flavour="pointer",
              config=tuning.BlockConfig(mode="dot", block_k=64))),
-    (4, dict(backend="xla")),  # R*K > S: per-expert path
-    (2, dict(backend="xla")),  # R*K <= S: per-pair path
-], ids=["prefetch-fma", "pointer-dot", "xla-experts", "xla-pairs"])
+    (4, dict(backend="xla")),  # R*K > S
+    (2, dict(backend="xla")),  # R*K <= S
+], ids=["prefetch-fma", "pointer-dot", "xla-more-pairs-than-slots", "xla-fewer"])
 def test_bitwise_invariant_to_slot_permutation(k, kwargs):
   x, pool, ids, w = _make_problem(11, 4, k, 10, 96, 64, 32, 4)
   base = np.asarray(pallas_kernels.grouped_moe(x, pool, ids, w, **kwargs))
