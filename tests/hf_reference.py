@@ -24,6 +24,22 @@ BASE = dict(
 )
 
 
+# The smallest glm_moe_dsa that still has every part (dense + MoE layers, DSA, MTP on request),
+# for tests that build glmjax weights directly rather than through transformers.
+TINY = dict(
+    model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=48,
+    moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16,
+    kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+    num_experts_per_tok=2, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+)
+
+
+def tiny_config(**overrides):
+  """A glmjax Config: `TINY` with `overrides`."""
+  from glmjax.config import Config
+  return Config.from_dict({**TINY, **overrides})
+
+
 def hf_config(**overrides) -> GlmMoeDsaConfig:
   return GlmMoeDsaConfig(**{**BASE, **overrides})
 

@@ -5,7 +5,7 @@ import pytest
 
 import glmjax
 from glmjax import checkpoint, text, weights
-from glmjax.config import Config
+from hf_reference import tiny_config
 from text_fixtures import GLM_LIKE_TEMPLATE, make_tokenizer_dir
 
 
@@ -14,13 +14,8 @@ def model(tmp_path_factory):
   """A random model whose vocabulary is a tiny trained BPE with GLM's special tokens."""
   path = tmp_path_factory.mktemp("textmodel")
   tok = make_tokenizer_dir(path, chat_template=GLM_LIKE_TEMPLATE)
-  cfg = Config.from_dict({
-      "model_type": "glm_moe_dsa", "vocab_size": tok.vocab_size, "hidden_size": 32,
-      "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-      "num_attention_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
-      "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
-      "index_head_dim": 8, "index_n_heads": 4, "index_topk": 8, "first_k_dense_replace": 1,
-      "eos_token_id": tok.endoftext_id, "max_position_embeddings": 512})
+  cfg = tiny_config(vocab_size=tok.vocab_size, index_n_heads=4, index_topk=8,
+                    eos_token_id=tok.endoftext_id, max_position_embeddings=512)
   checkpoint.save_hf(weights.init(cfg, seed=3, std=0.5), cfg, str(path))
   return glmjax.load(str(path), progress=False)
 
@@ -66,12 +61,7 @@ def test_chat_reuses_cache_and_matches_a_fresh_prefill(model):
 
 
 def test_prompt_without_tokenizer_is_refused(tmp_path):
-  cfg = Config.from_dict({
-      "model_type": "glm_moe_dsa", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 16,
-      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
-      "v_head_dim": 4, "n_routed_experts": 2, "num_experts_per_tok": 1, "index_head_dim": 4,
-      "index_n_heads": 1, "first_k_dense_replace": 1})
+  cfg = tiny_config(vocab_size=32, num_hidden_layers=1)
   checkpoint.save_hf(weights.init(cfg, seed=0), cfg, str(tmp_path))
   m = glmjax.load(str(tmp_path), progress=False)
   with pytest.raises(glmjax.InputError, match="no tokenizer"):

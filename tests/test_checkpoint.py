@@ -12,7 +12,7 @@ from glmjax import checkpoint, weights
 from glmjax.config import Config
 from glmjax.errors import CheckpointError
 from glmjax.safetensors_io import SafetensorsFile, write
-from hf_reference import make_hf
+from hf_reference import make_hf, tiny_config
 
 SINGLE = "model.safetensors"
 
@@ -105,12 +105,7 @@ def test_fp8_tensor_refused_with_name(good, tmp_path):
 
 def test_mtp_layer_recognised_and_kept(tmp_path):
   """A checkpoint with layer num_hidden_layers (the MTP head) loads; the head is kept."""
-  cfg = Config.from_dict({
-      "model_type": "glm_moe_dsa", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-      "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-      "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-      "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "index_head_dim": 8,
-      "index_n_heads": 2, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1})
+  cfg = tiny_config(num_nextn_predict_layers=1)
   w = weights.init(cfg, seed=1)
   checkpoint.save_hf(w, cfg, str(tmp_path))
   # Real GLM-5 MTP layers also carry indexer tensors, which the MTP block never uses.

@@ -11,26 +11,19 @@ import pytest
 
 import glmjax
 from glmjax import checkpoint, speculative, weights
-from glmjax.config import Config
-from hf_reference import rel_err
+from hf_reference import rel_err, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 GB = 1 << 30
-CFG = {
-    "model_type": "glm_moe_dsa", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-    "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2,
-    "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-    "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "index_head_dim": 8,
-    "index_n_heads": 8, "index_topk": 6, "first_k_dense_replace": 1,
-    "num_nextn_predict_layers": 1}
 
 
 @pytest.fixture(scope="module")
 def random_mtp(tmp_path_factory):
   """A checkpoint whose MTP layer is random: acceptance near chance, many rejections."""
   path = str(tmp_path_factory.mktemp("mtp"))
-  cfg = Config.from_dict(CFG)
+  cfg = tiny_config(num_hidden_layers=3, n_routed_experts=8, index_n_heads=8, index_topk=6,
+                    num_nextn_predict_layers=1)
   checkpoint.save_hf(weights.init(cfg, seed=1, std=0.3), cfg, path)
   return path
 
