@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,33 +14,12 @@ import numpy as np
 
 from glmjax import checkpoint, embedded, store
 from glmjax.config import Config
-from glmjax.errors import CheckpointError, InputError
+from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.model import KVCache, decode_fn, init_cache, prefill_fn, score_fn
 from glmjax.options import Options
 from glmjax.weights import Weights
 
 _MIN_BUCKET = 16
-
-
-# The sampler's knobs are static: one compile per setting, then one dispatch per token (eager
-# execution of the same ops cost ~200 ms per token on CPU).
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
-def _sample(key, logits, temperature, top_k, top_p, min_p):
-  from glmjax import sampling
-  return sampling.sample(key, logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                         min_p=min_p)
-
-
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
-def _probs(logits, temperature, top_k, top_p, min_p):
-  from glmjax import sampling
-  return sampling.probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-
-
-@functools.partial(jax.jit, static_argnames=("penalty",))
-def _penalize(logits, seen, penalty):
-  from glmjax import sampling
-  return sampling.apply_repetition_penalty(logits[None], seen, penalty)[0]
 
 
 def _bucket(n: int) -> int:
@@ -82,6 +61,7 @@ class Model:
     self.path = path
     self.engine = engine
     self._compiled: dict = {}
+    self._closed = False
     self.tokenizer = _tokenizer(path)
 
   def __repr__(self):
@@ -144,6 +124,7 @@ class Model:
   # --- public ----------------------------------------------------------------------------
   def score(self, tokens) -> np.ndarray:
     """Teacher-forced logits: int tokens `[B, S]` → float32 numpy `[B, S, V]`."""
+    self._check_open()
     arr = self._tokens(tokens, 2)
     if arr.shape[1] > self._max_context():
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
@@ -170,24 +151,26 @@ class Model:
     output keeps the plain sampler's distribution. `on_round` (debugging) receives each verify
     round's position, tokens, logits and accepted count.
     """
+    self._check_open()
     ids = (self.tokenizer.encode(prompt_tokens)
            if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
     prompt_ids = self._tokens(ids, 1)
     self._check_budget(len(prompt_ids), max_new_tokens)
-    cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
-                                                   len(prompt_ids) + max_new_tokens)))
     if draft not in (0, "auto") and not (isinstance(draft, int) and 0 < draft <= 16):
       raise InputError(f"draft must be 0, 1..16 or 'auto', got {draft!r}")
     if draft and not self.weights.mtp:
       raise InputError(f"{self.path}: draft={draft!r} needs an MTP layer; this model has none")
-    result, _ = self._run(prompt_ids, cache, max_new_tokens, temperature, seed, top_k, top_p,
-                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text, draft,
-                          on_round)
+    request = self._request(prompt_ids, max_new_tokens, temperature, seed, top_k, top_p, min_p,
+                            repetition_penalty, stop_ids, stop, on_token, on_text)
+    cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
+                                                   len(prompt_ids) + max_new_tokens)))
+    result, _ = self._run(prompt_ids, cache, request, draft, on_round)
     return result
 
   def chat(self, system: str | None = None, enable_thinking: bool = False,
            max_context: int | None = None) -> "ChatSession":
     """A multi-turn chat that keeps the KV cache of the conversation between turns."""
+    self._check_open()
     self._need_tokenizer()
     return ChatSession(self, system, enable_thinking, max_context)
 
@@ -210,167 +193,248 @@ class Model:
       ids |= self.tokenizer.stop_ids(list(self.config.eos_token_ids))
     return ids
 
-  def _run(self, prompt_ids: np.ndarray, cache: KVCache, max_new_tokens, temperature, seed,
-           top_k, top_p, min_p, repetition_penalty, stop_ids, stop, on_token, on_text,
-           draft=0, on_round=None):
-    """Prefills `prompt_ids` after the cache's contents, then decodes. Returns (result, cache)."""
+  def _request(self, prompt_ids, max_new_tokens, temperature=0.0, seed=0, top_k=0, top_p=1.0,
+               min_p=0.0, repetition_penalty=1.0, stop_ids=None, stop=(), on_token=None,
+               on_text=None) -> "_Request":
+    """Validates one request's sampling and stop settings (before any compute)."""
     from glmjax import sampling, text
     if temperature < 0:  # also checked by SamplingParams; kept for a plain message
       raise InputError(f"temperature must be ≥ 0, got {temperature}")
-    sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)  # validates
-    stops = self.default_stop_ids() if stop_ids is None else set(stop_ids)
+    params = sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
     if stop and self.tokenizer is None:
       raise InputError("stop strings need a tokenizer")
-    stream = text.StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
-    matcher = text.StopMatcher(stop) if stop else None
-    n = len(prompt_ids)
-    start = int(cache.length)
+    picker = sampling.TokenPicker(params, self.config.vocab_size, prompt_ids, seed)
+    return _Request(
+        max_new_tokens=max_new_tokens, picker=picker, seed=seed,
+        stops=self.default_stop_ids() if stop_ids is None else set(stop_ids),
+        stream=text.StreamDecoder(self.tokenizer) if self.tokenizer is not None else None,
+        matcher=text.StopMatcher(stop) if stop else None, on_token=on_token, on_text=on_text)
+
+  def _run(self, prompt_ids: np.ndarray, cache: KVCache, req: "_Request", draft=0,
+           on_round=None):
+    """Prefills `prompt_ids` after the cache's contents, then decodes. Returns (result, cache)."""
+    n, start = len(prompt_ids), int(cache.length)
     cap = cache.layers[0].latent.shape[1]
     padded = min(_bucket(n), cap - start)
-    if start + n + max_new_tokens > cap or padded < n:
-      raise InputError(f"context full: {start} cached + {n} prompt + {max_new_tokens} new "
+    if start + n + req.max_new_tokens > cap or padded < n:
+      raise InputError(f"context full: {start} cached + {n} prompt + {req.max_new_tokens} new "
                        f"tokens exceed the cache capacity {cap}")
     toks = jnp.asarray(np.pad(prompt_ids, (0, padded - n))[None])  # [1, S]
     before = self.engine.telemetry() if self.engine else {}
-
-    t0 = time.perf_counter()
-    prefill, decode = self._steps(cache, toks) if not draft else (None, None)
-    compile_s = time.perf_counter() - t0
-    key = jax.random.PRNGKey(seed)
-    history = np.zeros((1, self.config.vocab_size), bool)
-    history[0, prompt_ids] = True
-
-    def pick(logits):  # [V]
-      nonlocal key
-      if repetition_penalty != 1.0:
-        logits = _penalize(logits, jnp.asarray(history), float(repetition_penalty))
-      if temperature == 0:
-        return int(jnp.argmax(logits))
-      key, sub = jax.random.split(key)
-      return int(_sample(sub, logits, float(temperature), int(top_k), float(top_p),
-                         float(min_p)))
-
-    out, pieces = [], []
-    reason = ["max_new_tokens"]
-
-    def emit(tok) -> bool:
-      """Records `tok`; True when generation must stop (stop token/string, or length)."""
-      if tok in stops:
-        reason[0] = "stop_token"
-        return True
-      out.append(tok)
-      history[0, tok] = True
-      if on_token:
-        on_token(tok)
-      if stream is not None:
-        piece = stream.feed(tok)
-        if matcher is not None:
-          piece, hit = matcher.feed(piece)
-          if hit:
-            reason[0] = "stop_string"
-        pieces.append(piece)
-        if on_text and piece:
-          on_text(piece)
-      return reason[0] == "stop_string" or len(out) >= max_new_tokens
-
-    spec_stats = {}
-    first_step_s = None  # the first decode step may include tracing/compilation
-    t0 = time.perf_counter()
-    if draft and max_new_tokens:
-      from glmjax import speculative
-      backend = (speculative.EngineBackend(self) if self.engine is not None
-                 else speculative.ResidentBackend(self))
-      probs = lambda lg: _probs(lg, float(max(temperature, 1e-6)), int(top_k), float(top_p),
-                                float(min_p))
-      spec_stats = speculative.run(backend, self.config, cache, toks, n, max_new_tokens, emit,
-                                   pick, probs, temperature == 0, draft, seed, on_round)
-      prefill_s = spec_stats.pop("prefill_s")
-      decode_s, first_step_s = time.perf_counter() - t0 - prefill_s, 0.0
+    if draft and req.max_new_tokens:
+      stats = self._speculate(cache, toks, n, req, draft, on_round)
       cache = None  # the speculative loop owns its caches
     else:
-      logits, cache = prefill(cache, toks, n)
-      tok = pick(logits[0]) if max_new_tokens else None
-      prefill_s = time.perf_counter() - t0
-      t0 = time.perf_counter()
-      while max_new_tokens and not emit(tok):
-        logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
-        tok = pick(logits[0])
-        if first_step_s is None:
-          first_step_s = time.perf_counter() - t0
-      decode_s = time.perf_counter() - t0
-    reason = reason[0]
-    if stream is not None and reason != "stop_string":
-      tail = stream.flush()
-      tail = matcher.feed(tail)[0] + matcher.flush() if matcher is not None else tail
-      pieces.append(tail)
-      if on_text and tail:
-        on_text(tail)
-    steps = max(len(out) - 1, 0)  # decode steps run (the first token comes from the prefill)
-    if spec_stats:  # tokens after the prefill's first, over the time after the prefill
-      rate = steps / decode_s if steps and decode_s > 0 else 0.0
-    elif steps >= 2:  # steady state: from the second decode step on
+      stats, cache = self._decode_loop(cache, toks, n, req)
+    req.finish()
+    if self.engine is not None:
+      stats.update(self._engine_stats(before))
+      self.engine.save()
+    if cache is not None:  # it holds the prompt and every emitted token but the last
+      cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(req.out) - 1, 0), jnp.int32))
+    result = GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
+                              text="".join(req.pieces) if req.stream is not None else None)
+    return result, cache
+
+  def _decode_loop(self, cache: KVCache, toks, n: int, req: "_Request"):
+    """Plain decoding: prefill, then one token per step (gpt-fast's loop)."""
+    t0 = time.perf_counter()
+    prefill, decode = self._steps(cache, toks)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    logits, cache = prefill(cache, toks, n)
+    tok = req.picker.pick(logits[0]) if req.max_new_tokens else None
+    prefill_s = time.perf_counter() - t0
+    first_step_s = None  # the first decode step may include tracing/compilation
+    t0 = time.perf_counter()
+    while req.max_new_tokens and not req.emit(tok):
+      logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+      tok = req.picker.pick(logits[0])
+      if first_step_s is None:
+        first_step_s = time.perf_counter() - t0
+    decode_s = time.perf_counter() - t0
+    steps = max(len(req.out) - 1, 0)  # decode steps run (the first token comes from the prefill)
+    if steps >= 2:  # steady state: from the second decode step on
       rate = (steps - 1) / max(decode_s - first_step_s, 1e-9)
     else:
       rate = steps / decode_s if steps and decode_s > 0 else 0.0
-    stats = dict(prompt_tokens=float(n), new_tokens=float(len(out)), compile_s=compile_s,
-                 prefill_s=prefill_s, decode_s=decode_s, first_step_s=first_step_s or 0.0,
-                 decode_tok_s=rate, **spec_stats)
+    return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)), compile_s=compile_s,
+                prefill_s=prefill_s, decode_s=decode_s, first_step_s=first_step_s or 0.0,
+                decode_tok_s=rate), cache
+
+  def _speculate(self, cache: KVCache, toks, n: int, req: "_Request", draft, on_round) -> dict:
+    """MTP speculative decoding (glmjax.speculative); the stats of `_decode_loop`."""
+    from glmjax import speculative
+    backend = (speculative.EngineBackend(self) if self.engine is not None
+               else speculative.ResidentBackend(self))
+    t0 = time.perf_counter()
+    spec = speculative.run(backend, self.config, cache, toks, n, req.max_new_tokens, req.emit,
+                           req.picker, draft, req.seed, on_round)
+    prefill_s = spec.pop("prefill_s")
+    decode_s = time.perf_counter() - t0 - prefill_s
+    steps = max(len(req.out) - 1, 0)  # tokens after the prefill's first
+    return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)), compile_s=0.0,
+                prefill_s=prefill_s, decode_s=decode_s, first_step_s=0.0,
+                decode_tok_s=steps / decode_s if steps and decode_s > 0 else 0.0, **spec)
+
+  def _engine_stats(self, before: dict) -> dict:
+    """Offload telemetry over this call, with derived rates."""
+    stats = {}
+    after = self.engine.telemetry()
+    gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
+    stats.update({k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()})
+    if stats.get("route_tokens"):
+      tokens = stats["route_tokens"]
+      stats["route_swap_rate"] = stats["route_swaps"] / (tokens * self.config.num_experts_per_tok)
+      stats["route_overlap"] = stats["route_overlap_sum"] / tokens
+      stats["route_kl"] = stats["route_kl_sum"] / tokens
+    if stats.get("pilot_actual"):
+      stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
+      stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
+    return stats
+
+  # --- lifetime ------------------------------------------------------------------------------
+  def close(self) -> None:
+    """Saves the offload statistics and stops the I/O threads. Idempotent; afterwards every
+    call raises InputError. A model garbage-collected without close() releases them too."""
     if self.engine is not None:
-      after = self.engine.telemetry()
-      gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
-      stats.update({k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()})
-      if stats.get("route_tokens"):
-        tokens = stats["route_tokens"]
-        stats["route_swap_rate"] = stats["route_swaps"] / (tokens * self.config.num_experts_per_tok)
-        stats["route_overlap"] = stats["route_overlap_sum"] / tokens
-        stats["route_kl"] = stats["route_kl_sum"] / tokens
-      if stats.get("pilot_actual"):
-        stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
-        stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
       self.engine.close()
-    if cache is not None:  # it holds the prompt and every emitted token but the last
-      cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(out) - 1, 0), jnp.int32))
-    result = GenerationResult(tokens=out, stats=stats, stop_reason=reason,
-                              text="".join(pieces) if stream is not None else None)
-    return result, cache
+    self._closed = True
+
+  def _check_open(self):
+    if self._closed:
+      raise InputError(f"{self.path}: this model was closed")
+
+  def __enter__(self) -> "Model":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+@dataclasses.dataclass
+class _Request:
+  """One generation request's settings and output: what `emit` records, and why it stopped."""
+  max_new_tokens: int
+  picker: Any  # sampling.TokenPicker
+  seed: int
+  stops: set
+  stream: Any = None  # text.StreamDecoder
+  matcher: Any = None  # text.StopMatcher
+  on_token: Callable[[int], None] | None = None
+  on_text: Callable[[str], None] | None = None
+  out: list = dataclasses.field(default_factory=list)
+  pieces: list = dataclasses.field(default_factory=list)
+  reason: str = "max_new_tokens"
+
+  def emit(self, tok: int) -> bool:
+    """Records `tok`; True when generation must stop (stop token/string, or length)."""
+    if tok in self.stops:
+      self.reason = "stop_token"
+      return True
+    self.out.append(tok)
+    self.picker.observe(tok)
+    if self.on_token:
+      self.on_token(tok)
+    if self.stream is not None:
+      piece = self.stream.feed(tok)
+      if self.matcher is not None:
+        piece, hit = self.matcher.feed(piece)
+        if hit:
+          self.reason = "stop_string"
+      self.pieces.append(piece)
+      if self.on_text and piece:
+        self.on_text(piece)
+    return self.reason == "stop_string" or len(self.out) >= self.max_new_tokens
+
+  def finish(self) -> None:
+    """Flushes the detokenizer's tail (unless a stop string already cut the text)."""
+    if self.stream is None or self.reason == "stop_string":
+      return
+    tail = self.stream.flush()
+    if self.matcher is not None:
+      tail = self.matcher.feed(tail)[0] + self.matcher.flush()
+    self.pieces.append(tail)
+    if self.on_text and tail:
+      self.on_text(tail)
 
 
 class ChatSession:
-  """Multi-turn chat over one KV cache: each turn prefills only what the cache lacks."""
+  """Multi-turn chat over one KV cache: each turn prefills only what the cache lacks.
+
+  A turn that fails (any GlmjaxError, e.g. an expert read) leaves the session as it was before
+  that turn: the history drops the failed user message, and since the failure may have left
+  the cache's buffers donated part-way through a forward, the next turn rebuilds the cache by
+  replaying the successful turns' feeds one by one (the same calls as the first time), so its
+  reply equals what a fresh session given the same turns returns.
+  """
 
   def __init__(self, model: Model, system: str | None, enable_thinking: bool,
                max_context: int | None):
     self.model = model
     self.messages = [{"role": "system", "content": system}] if system else []
     self.enable_thinking = enable_thinking
-    cap = _bucket(min(max_context or 4096, model._max_context()))
-    self.cache = init_cache(model.config, 1, cap)
+    limit = min(max_context or 4096, model._max_context())
+    self.capacity = min(_bucket(limit), model._max_context())
+    self.cache = init_cache(model.config, 1, self.capacity)
     self.tokens: list[int] = []  # what the cache holds, position by position
+    # Each successful turn as fed: (cached positions kept, prompt ids prefilled, ids decoded).
+    self._feeds: list[tuple[int, np.ndarray, list[int]]] = []
+    self._stale = False  # the cache may be unusable after a failed turn
 
   def send(self, user_text: str, max_new_tokens: int = 256, **sampling) -> GenerationResult:
-    """Adds a user turn, generates the reply, and keeps both in the history."""
+    """Adds a user turn, generates the reply, and keeps both in the history.
+
+    `sampling` takes generate's keywords: temperature, seed, top_k, top_p, min_p,
+    repetition_penalty, stop_ids, stop, on_token, on_text.
+    """
     from glmjax import text
-    self.messages.append({"role": "user", "content": user_text})
-    ids = text.encode_chat(self.messages, self.model.tokenizer, add_generation_prompt=True,
+    self.model._check_open()
+    known = ("temperature", "seed", "top_k", "top_p", "min_p", "repetition_penalty", "stop_ids",
+             "stop", "on_token", "on_text")
+    unknown = sorted(set(sampling) - set(known))
+    if unknown:
+      raise InputError(f"unknown argument(s) to send(): {', '.join(unknown)}")
+    messages = self.messages + [{"role": "user", "content": user_text}]
+    ids = text.encode_chat(messages, self.model.tokenizer, add_generation_prompt=True,
                            enable_thinking=self.enable_thinking)
+    self.model._check_budget(len(ids), max_new_tokens)
+    if self._stale:
+      self._rebuild()
     common = 0
     while common < min(len(ids), len(self.tokens)) and ids[common] == self.tokens[common]:
       common += 1
     common = min(common, len(ids) - 1)  # at least one token to prefill
+    prompt = np.asarray(ids[common:], np.int32)
+    request = self.model._request(prompt, max_new_tokens, **sampling)
     # Positions past `common` are stale; attention never sees them once overwritten.
-    self.cache = KVCache(self.cache.layers, jnp.asarray(common, jnp.int32))
-    result, self.cache = self.model._run(
-        np.asarray(ids[common:], np.int32), self.cache, max_new_tokens,
-        sampling.pop("temperature", 0.0), sampling.pop("seed", 0), sampling.pop("top_k", 0),
-        sampling.pop("top_p", 1.0), sampling.pop("min_p", 0.0),
-        sampling.pop("repetition_penalty", 1.0), sampling.pop("stop_ids", None),
-        sampling.pop("stop", ()), sampling.pop("on_token", None), sampling.pop("on_text", None))
-    if sampling:
-      raise InputError(f"unknown argument(s) to send(): {', '.join(sorted(sampling))}")
+    cache = KVCache(self.cache.layers, jnp.asarray(common, jnp.int32))
+    try:
+      result, cache = self.model._run(prompt, cache, request)
+    except GlmjaxError:
+      self._stale = True  # the forward may have consumed (donated) the cache's buffers
+      raise
+    self.cache = cache
     self.tokens = list(ids) + result.tokens[:-1] if result.tokens else list(ids)[:-1]
+    self._feeds.append((common, prompt, result.tokens[:-1]))
     result.stats["reused_tokens"] = float(common)
-    self.messages.append({"role": "assistant", "content": result.text})
+    self.messages = messages + [{"role": "assistant", "content": result.text}]
     return result
+
+  def _rebuild(self) -> None:
+    """A fresh cache holding the successful turns, fed exactly as they were."""
+    steps = self.model._steps
+    cache = init_cache(self.model.config, 1, self.capacity)
+    for common, prompt, decoded in self._feeds:
+      n = len(prompt)
+      toks = jnp.asarray(np.pad(prompt, (0, min(_bucket(n), self.capacity - common) - n))[None])
+      cache = KVCache(cache.layers, jnp.asarray(common, jnp.int32))
+      prefill, decode = steps(cache, toks)
+      _, cache = prefill(cache, toks, n)
+      for tok in decoded:
+        _, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+    self.cache = cache
+    self._stale = False
 
 
 def _tokenizer(path):

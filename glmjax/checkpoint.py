@@ -146,10 +146,19 @@ def read_float(ckpt: HFCheckpoint, name: str, fp8_block=None, check_finite=False
   else:
     raise CheckpointError(f"{ckpt.path}: tensor {name} has dtype {src_dtype}; expected bf16, "
                           "fp16, fp32 or float8_e4m3fn")
-  if check_finite and not np.isfinite(a).all():
-    bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
-    raise CheckpointError(f"{ckpt.path}: tensor {name} holds {bad} NaN/Inf value(s)")
+  if check_finite:
+    require_finite(a, ckpt.path, name)
   return a
+
+
+def require_finite(a: np.ndarray, where: str, name: str) -> None:
+  """Raises CheckpointError naming tensor `name` if `a` holds NaN/Inf (one reduction when clean:
+  a float32 sum is finite unless some element is not, or the sum overflows, which is rechecked)."""
+  if np.isfinite(np.sum(a, dtype=np.float32)):
+    return
+  bad = int(np.size(a) - np.count_nonzero(np.isfinite(np.asarray(a, np.float32))))
+  if bad:
+    raise CheckpointError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s)")
 
 
 def assemble(info: ArrayInfo, ckpt: HFCheckpoint, cfg: Config, read=None,
@@ -191,7 +200,9 @@ def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: b
       raise CheckpointError(f"{path}: tensor {name} has dtype {src_dtype}; an HF checkpoint "
                             "must be bf16, fp16 or fp32 (convert FP8 sources to a store with "
                             "scripts/convert.py)")
-    return ckpt.read(name)
+    a = ckpt.read(name)
+    require_finite(a, path, name)
+    return a
 
   infos = leaves_with_info(tree)
   bar = tqdm(total=len(infos), desc="loading", unit="tensor", disable=not progress, leave=False)

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ from glmjax.mtp import mtp_input, mtp_output_logits
 from glmjax.moe import combine, expert_terms, route, route_cache_aware
 from glmjax.quant import ExpertPool
 from glmjax.store import ExpertStore
-from glmjax.tiers import DevicePool, Heat, HostCache, as_device_pool, empty_pool, should_repin
+from glmjax.tiers import (DevicePool, Heat, HostCache, as_device_pool, atomic_write, empty_pool,
+                          should_repin)
 from glmjax.weights import MoE, Weights
 from pallas_kernels import grouped_moe
 
@@ -163,7 +165,11 @@ class OffloadEngine:
     self.slots = int(slots)
     self.all_resident = self.slots == e
     self.host = HostCache(0 if self.all_resident else budgets.host_bytes)
-    self.reader = ExpertReader(self._read_blob, io_workers, io_timeout_s)
+    # The read function closes over the store only, never the engine (see ExpertReader).
+    read = lambda layer, expert, store=store: store.read_async(layer, expert).result()
+    self.reader = ExpertReader(read, io_workers, io_timeout_s)
+    # A model dropped without close() still stops its I/O threads when collected.
+    self._finalizer = weakref.finalize(self, self.reader.close)
     self.usage_path = os.path.join(store.path, USAGE_FILE)
     self.heat = Heat.load(self.usage_path)
     if cold:
@@ -182,9 +188,6 @@ class OffloadEngine:
     self._prev_union: tuple[int, list] | None = None
 
   # -- setup --------------------------------------------------------------------------------
-  def _read_blob(self, layer: int, expert: int) -> np.ndarray:
-    return self.store.read_async(layer, expert).result()
-
   def _fill_device_tier(self, progress: bool):
     from tqdm import tqdm
     if self.slots == 0:
@@ -205,15 +208,25 @@ class OffloadEngine:
       for e in self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts):
         self.device[layer].install(e, self.store.read(layer, e), self.device[layer].free_slot())
 
-  def close(self):
+  def save(self) -> None:
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
     self.heat.save(self.usage_path)
     if self.prefetch:
-      try:
-        np.save(self.couple_path + ".tmp.npy", self.couple)
-        os.replace(self.couple_path + ".tmp.npy", self.couple_path)
-      except OSError:
-        pass
+      atomic_write(self.couple_path, lambda f: np.save(f, self.couple))
+
+  def close(self) -> None:
+    """Saves, then stops and joins the I/O threads. Idempotent; the engine is unusable after."""
+    if self.closed:
+      return
+    self.save()
+    self._finalizer()  # runs reader.close() once
+    self.device.clear()
+    self.host = HostCache(0)
+    self.inflight.clear()
+
+  @property
+  def closed(self) -> bool:
+    return not self._finalizer.alive
 
   # -- prefetch ------------------------------------------------------------------------------
   def _resident(self, layer: int, e: int) -> bool:
@@ -306,6 +319,7 @@ class OffloadEngine:
       elif (layer, e) in self.inflight:  # a prefetch still loading: wait for it, no re-read
         missing.append(e)
         futures[e] = self.inflight.pop((layer, e))[0]
+        self.reader.promote(futures[e])  # a hint still queued is now a demand
         self.stats["prefetch_late"] += 1
       else:
         missing.append(e)

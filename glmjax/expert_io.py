@@ -32,7 +32,11 @@ class ExpertReader:
   """Reads expert chunk bytes with `workers` threads from a priority queue.
 
   `submit` returns a Future of the bytes. Hints (priority > DEMAND) are dropped rather than
-  queued once `max_hints` are waiting, so prediction never delays demand for long.
+  queued once `max_hints` are waiting, so prediction never delays demand for long; `promote`
+  moves a queued hint to demand priority. `close()` stops and joins the threads.
+
+  `read_fn` must not hold whatever owns this reader (the engine): the threads keep it alive,
+  and a reference back would keep the owner from being garbage-collected.
   """
 
   def __init__(self, read_fn: Callable[[int, int], np.ndarray], workers: int = 4,
@@ -48,14 +52,23 @@ class ExpertReader:
     self._q: queue.PriorityQueue = queue.PriorityQueue()
     self._seq = 0
     self._hints = 0
-    for i in range(workers):
-      threading.Thread(target=self._worker, name=f"glmjax-io-{i}", daemon=True).start()
+    self._queued: dict[cf.Future, tuple] = {}  # future → (priority, layer, expert), not started
+    self._closed = False
+    self._threads = [threading.Thread(target=self._worker, name=f"glmjax-io-{i}", daemon=True)
+                     for i in range(workers)]
+    for t in self._threads:
+      t.start()
 
   def _worker(self):
     while True:
       priority, _, layer, expert, fut = self._q.get()
-      if priority > DEMAND:
-        with self._lock:
+      if fut is None:  # the stop sentinel from close()
+        return
+      with self._lock:
+        if self._queued.get(fut, (None,))[0] != priority:
+          continue  # a stale entry of a promoted hint: its demand entry serves it
+        del self._queued[fut]
+        if priority > DEMAND:
           self._hints -= 1
       if not fut.set_running_or_notify_cancel():
         continue
@@ -70,17 +83,33 @@ class ExpertReader:
         with self._lock:
           self.service_s += time.perf_counter() - t0
 
+  def _put(self, priority: int, layer: int, expert: int, fut: cf.Future) -> None:
+    self._seq += 1
+    self._queued[fut] = (priority, layer, expert)
+    self._q.put((priority, self._seq, layer, expert, fut))
+
   def submit(self, layer: int, expert: int, priority: int = DEMAND) -> cf.Future | None:
     """Queues a read; None when a hint was dropped because the hint queue is full."""
     fut: cf.Future = cf.Future()
     with self._lock:
+      if self._closed:
+        raise ExpertIOError(f"reading layer {layer} expert {expert}: the reader is closed")
       if priority > DEMAND:
         if self._hints >= self.max_hints:
           return None
         self._hints += 1
-      self._seq += 1
-      self._q.put((priority, self._seq, layer, expert, fut))
+      self._put(priority, layer, expert, fut)
     return fut
+
+  def promote(self, fut: cf.Future) -> bool:
+    """Raises a still-queued hint to demand priority. True if it was queued as a hint."""
+    with self._lock:
+      entry = self._queued.get(fut)
+      if entry is None or entry[0] == DEMAND:
+        return False
+      self._hints -= 1
+      self._put(DEMAND, entry[1], entry[2], fut)  # the old entry is skipped when dequeued
+      return True
 
   def wait(self, fut: cf.Future, layer: int, expert: int) -> np.ndarray:
     """The bytes of a submitted read, blocking at most `timeout_s`."""
@@ -93,6 +122,29 @@ class ExpertReader:
                           f"{self.timeout_s:.1f} s (stalled storage?)") from None
     finally:
       self.wait_s += time.perf_counter() - t0
+
+  @property
+  def threads_alive(self) -> int:
+    return sum(t.is_alive() for t in self._threads)
+
+  def close(self) -> None:
+    """Cancels queued reads, stops the threads and joins them (a read stalled in the kernel is
+    waited for at most `timeout_s`, then left to die with the process). Idempotent."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      for fut in list(self._queued):
+        fut.cancel()
+      self._queued.clear()
+      self._hints = 0
+      for _ in self._threads:  # sentinels sort after every real priority
+        self._seq += 1
+        self._q.put((1 << 30, self._seq, -1, -1, None))
+    deadline = time.monotonic() + self.timeout_s
+    for t in self._threads:
+      if t is not threading.current_thread():
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def drop_page_cache(root: str) -> int:

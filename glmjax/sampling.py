@@ -18,6 +18,7 @@ float32 bit patterns for the threshold logit, which gives the same kept set as a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -351,3 +352,72 @@ def sample_with(key: jax.Array, logits: jax.Array, params: SamplingParams,
   if prev_tokens is not None:
     logits = apply_repetition_penalty(logits, prev_tokens, params.repetition_penalty)
   return sample(key, logits, params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+# --- the per-request token picker ------------------------------------------------------------
+
+# The sampler's knobs are static: one compile per setting, then one dispatch per token (eager
+# execution of the same ops cost ~200 ms per token on CPU).
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+def _sample_jit(key, logits, temperature, top_k, top_p, min_p):
+  return sample(key, logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+def _probs_jit(logits, temperature, top_k, top_p, min_p):
+  return probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+@functools.partial(jax.jit, static_argnames=("penalty",))
+def _penalize_jit(logits, seen, penalty):
+  return apply_repetition_penalty(logits[None], seen[None], penalty)[0]
+
+
+class TokenPicker:
+  """Next-token choice for one request under one `SamplingParams`.
+
+  It owns the history the repetition penalty sees (`observe` each token as it joins the
+  sequence) and the PRNG key, so plain and speculative decoding apply exactly the same rule:
+  `pick` samples (or takes the argmax at temperature 0) and `probs` returns the distribution
+  `pick` samples from, both after the penalty.
+  """
+
+  def __init__(self, params: SamplingParams, vocab_size: int, seen=(), seed: int = 0):
+    self.params = params
+    self.key = jax.random.PRNGKey(seed)
+    self.seen = np.zeros((vocab_size,), bool)
+    self.seen[np.asarray(list(seen), np.int64)] = True
+
+  @property
+  def greedy(self) -> bool:
+    return self.params.temperature == 0
+
+  def observe(self, tok: int) -> None:
+    self.seen[tok] = True
+
+  def _adjusted(self, logits):
+    penalty = float(self.params.repetition_penalty)
+    if penalty == 1.0:
+      return logits
+    return _penalize_jit(logits, jnp.asarray(self.seen), penalty)
+
+  def pick(self, logits) -> int:
+    """The next token from logits `[V]`."""
+    logits = self._adjusted(logits)
+    if self.greedy:
+      return int(jnp.argmax(logits))
+    self.key, sub = jax.random.split(self.key)
+    p = self.params
+    return int(_sample_jit(sub, logits, float(p.temperature), int(p.top_k), float(p.top_p),
+                           float(p.min_p)))
+
+  def probs(self, logits) -> np.ndarray:
+    """float64 `[V]`: the distribution `pick` samples from (one-hot at the argmax if greedy)."""
+    logits = self._adjusted(logits)
+    if self.greedy:
+      out = np.zeros(logits.shape[-1])
+      out[int(jnp.argmax(logits))] = 1.0
+      return out
+    p = self.params
+    return np.asarray(_probs_jit(logits, float(p.temperature), int(p.top_k), float(p.top_p),
+                                 float(p.min_p)), np.float64)

@@ -140,26 +140,30 @@ class DraftController:
 
 # --- acceptance -------------------------------------------------------------------------------
 
-def accept(logits, drafts, pick, probs, rng: np.random.Generator, greedy: bool):
-  """Verifies `drafts` against main logits `[k+1, V]`.
+def accept(logits, drafts, picker, rng: np.random.Generator, emit=lambda tok: False):
+  """Verifies `drafts` against main logits `[k+1, V]`, emitting each accepted draft.
 
-  Returns (accepted count a, next token). Greedy: accept while argmax equals the draft; the
-  next token is the argmax at the first mismatch (or after the last draft). Sampling: accept d
-  with probability p(d) (the draft is a point mass), and on rejection sample from p with d
-  removed and renormalised, which reproduces p exactly.
+  Each position is judged under the picker's rule with the history as it stands at that
+  position: `emit(d)` adds an accepted draft to the history (and may ask to stop) before the
+  next position is judged. Greedy: accept while the (penalised) argmax equals the draft.
+  Sampling: accept d with probability p(d) (the draft is a point mass), and on rejection sample
+  from p with d removed and renormalised, which reproduces p exactly.
+
+  Returns (accepted count a, next token or None when `emit` asked to stop).
   """
   for j, d in enumerate(drafts):
-    if greedy:
-      top = int(jnp.argmax(logits[j]))
+    if picker.greedy:
+      top = picker.pick(logits[j])
       if top != d:
         return j, top
-      continue
-    p = np.asarray(probs(logits[j]), np.float64)
-    if rng.random() < p[d]:
-      continue
-    p[d] = 0.0
-    return j, int(rng.choice(len(p), p=p / p.sum()))
-  return len(drafts), pick(logits[len(drafts)])
+    else:
+      p = picker.probs(logits[j])
+      if not rng.random() < p[d]:
+        p[d] = 0.0
+        return j, int(rng.choice(len(p), p=p / p.sum()))
+    if emit(d):
+      return j + 1, None
+  return len(drafts), picker.pick(logits[len(drafts)])
 
 
 # Most positions absorbed into the MTP cache when drafting resumes after plain rounds.
@@ -172,12 +176,12 @@ def _bucket(n: int) -> int:
 
 # --- the loop ------------------------------------------------------------------------------
 
-def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, pick, probs,
-        greedy: bool, draft, seed: int = 0, on_round=None):
+def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, picker,
+        draft, seed: int = 0, on_round=None):
   """Speculative generation after the prompt `toks` `[1, S]` (first `n` real).
 
-  `emit(token) -> bool` records a new token and says whether to stop; `pick(logits)` samples
-  the plain distribution, `probs(logits)` returns it. `draft` is an int k ≥ 1 or "auto".
+  `emit(token) -> bool` records a new token (and shows it to `picker`, a
+  `sampling.TokenPicker`) and says whether to stop. `draft` is an int k ≥ 1 or "auto".
   Returns a stats dict (prefill_s, draft_proposed, draft_accepted, tokens_per_forward,
   verify_forwards).
   """
@@ -187,7 +191,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
   logits, x, cache = backend.main(cache, toks, absorbed=False)
   cache = KVCache(cache.layers, jnp.asarray(start + n, jnp.int32))
   prompt = np.asarray(toks[0, :n])
-  tok = pick(logits[0, n - 1])
+  tok = picker.pick(logits[0, n - 1])
   prefill_s = time.perf_counter() - t0
   mcache = init_mtp_cache(cfg, 1, cap)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
@@ -233,7 +237,8 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
       pending_t = pending_t + [tok]  # the last pending hidden's next token
     verify = jnp.asarray([[tok] + drafts], jnp.int32)
     logits, xv, cache = backend.main(cache, verify, absorbed=True)
-    a, nxt = accept(logits[0], drafts, pick, probs, rng, greedy)
+    a, nxt = accept(logits[0], drafts, picker, rng, emit)
+    st["emitted"] += a
     if on_round is not None:
       on_round(dict(position=p, tokens=[tok] + drafts, logits=np.asarray(logits[0]), accepted=a))
     cache = KVCache(cache.layers, jnp.asarray(p + 1 + a, jnp.int32))  # roll back the rest
@@ -244,15 +249,9 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     # pairs with the token after it (the last one with `nxt`, added when drafting).
     pending_h.append(np.asarray(xv[0, :a + 1]))
     pending_t = pending_t + drafts[:a]
-    stop = False
-    for d in drafts[:a]:
-      st["emitted"] += 1
-      if emit(d):
-        stop = True
-        break
     if ctrl:
       ctrl.update(k, a + 1, time.perf_counter() - t0)
-    if stop:
+    if nxt is None:  # an accepted draft ended generation
       break
     p += 1 + a
     tok = nxt

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.config import Config
+from glmjax.checkpoint import require_finite
 from glmjax.errors import CheckpointError
 from glmjax.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
 from glmjax.weights import MoE, Weights, abstract, is_info
@@ -252,19 +253,26 @@ def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
   filled = {}
   for name, part in tqdm(parts.items(), desc="loading dense", disable=not progress, leave=False):
     flat, treedef = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
-    target = {jax.tree_util.keystr(p): jax.ShapeDtypeStruct(i.shape, i.dtype) for p, i in flat}
+    infos = {jax.tree_util.keystr(p): i for p, i in flat}
     part_dir = os.path.abspath(os.path.join(path, "dense", name))
     try:
+      # Restore in the dtype the converter stored (bf16 by default): integrity is checked on
+      # those bytes, and only then are arrays cast to the requested dtype.
+      stored = ckptr.metadata(part_dir).item_metadata.tree
+      target = {k: jax.ShapeDtypeStruct(i.shape, stored[k].dtype) for k, i in infos.items()}
       arrays = ckptr.restore(part_dir, target)
     except Exception as e:  # orbax raises many types; all mean a damaged part
       raise CheckpointError(f"{part_dir}: cannot restore dense part ({type(e).__name__}: {e})"
                             ) from None
     sums = manifest["dense"][name]
     for k, a in arrays.items():
+      a = np.asarray(a)
       if verify and crc(a) != sums[k]:
-        raise CheckpointError(f"{part_dir}: checksum mismatch for {k}")
+        raise CheckpointError(f"{part_dir}: checksum mismatch for {k} "
+                              f"({', '.join(infos[k].hf_names)})")
+      require_finite(a, part_dir, ", ".join(infos[k].hf_names))
     filled[name] = jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(arrays[jax.tree_util.keystr(p)]) for p, _ in flat])
+        treedef, [jnp.asarray(arrays[k], dtype=i.dtype) for k, i in infos.items()])
   g = filled["global"]
   return cfg, Weights(embed=g["embed"], layers=[filled[f"layer_{i:03d}"] for i in
                                                 range(cfg.num_hidden_layers)],

@@ -93,13 +93,7 @@ class Heat:
 
   def save(self, path: str) -> None:
     data = {f"{l}/{e}": v for (l, e), v in self.h.items() if v > 0}
-    tmp = path + ".tmp"
-    try:
-      with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-      os.replace(tmp, path)
-    except OSError:
-      pass  # a read-only store just does not learn across runs
+    atomic_write(path, lambda f: f.write(json.dumps(data).encode()))
 
   @classmethod
   def load(cls, path: str) -> "Heat":
@@ -109,6 +103,28 @@ class Heat:
       return cls({tuple(int(x) for x in k.split("/")): float(v) for k, v in data.items()})
     except (OSError, ValueError):
       return cls()
+
+
+def atomic_write(path: str, write) -> bool:
+  """Writes `path` through a uniquely named temporary file and an atomic rename, so processes
+  sharing a store never see (or clobber) a half-written file. `write(f)` gets a binary file.
+  Returns False (and leaves `path` as it was) when the directory is not writable."""
+  import tempfile
+  try:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=os.path.basename(path) + ".", suffix=".tmp")
+  except OSError:
+    return False  # a read-only store just does not learn across runs
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+    return True
+  except OSError:
+    return False
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
 
 
 def should_repin(candidate_heat: float, incumbent_heat: float) -> bool:

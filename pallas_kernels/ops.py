@@ -102,6 +102,13 @@ def _reference_jit(x, pool, slot_ids, weights):
   return reference.grouped_moe_reference(x, pool, slot_ids, weights)
 
 
+def resolve_backend(backend: str, platform: str) -> str:
+  """"auto" is the XLA path on CPU (Pallas only interprets there) and Pallas elsewhere."""
+  if backend == "auto":
+    return "xla" if platform == "cpu" else "pallas"
+  return backend
+
+
 def grouped_moe(x, pool: quant.ExpertPool, slot_ids, weights, *,
                 backend: str = "auto", interpret: bool | None = None,
                 flavour: str | None = None,
@@ -132,8 +139,7 @@ def grouped_moe(x, pool: quant.ExpertPool, slot_ids, weights, *,
     raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
   _check_args(x, pool, slot_ids, weights)
   plat = common.platform()
-  if backend == "auto":
-    backend = "xla" if plat == "cpu" else "pallas"
+  backend = resolve_backend(backend, plat)
   if backend == "xla":
     return _reference_jit(x, pool, slot_ids, weights)
   if interpret is None:

@@ -33,14 +33,30 @@ flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Dense weight dtype.")
 flags.DEFINE_enum("moe_kernel", "auto", ["auto", "pallas", "xla"], "MoE expert kernel.")
-flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (store only; 0 = none).")
-flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (store only; 0 = none).")
-flags.DEFINE_integer("io_workers", 4, "Expert read threads (store only).", lower_bound=1)
-flags.DEFINE_bool("cold", False, "Drop the store from the OS page cache first (store only).")
+flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
+                     "config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
                     "or 'auto' (chosen from live throughput).")
-flags.DEFINE_bool("prefetch", True, "Prefetch predicted experts (store only).")
+# Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
+flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic, 0 = none).")
+flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic, 0 = none).")
+flags.DEFINE_integer("io_workers", None, "Expert read threads (default 4).", lower_bound=1)
+flags.DEFINE_float("io_timeout_s", None, "A read not done by then fails, naming layer and expert "
+                   "(default 60).")
+flags.DEFINE_bool("cold", None, "Drop the store from the OS page cache first.")
+flags.DEFINE_bool("prefetch", None, "Prefetch predicted experts (default on).")
+flags.DEFINE_integer("pilot_k", None, "Experts per position the pilot predicts for the next layer "
+                     "(default 6; 0 = off).", lower_bound=0)
+flags.DEFINE_integer("couple_k", None, "Experts the co-activation table predicts for the next "
+                     "layer (default 4; 0 = off).", lower_bound=0)
+flags.DEFINE_bool("cache_route", None, "Lossy: route toward resident experts (default off).")
+flags.DEFINE_integer("route_keep", None, "With --cache_route: true top experts always kept "
+                     "(default 2).", lower_bound=0)
+flags.DEFINE_integer("route_rank", None, "With --cache_route: resident experts are taken from the "
+                     "top route_rank (default 12).", lower_bound=0)
 
+LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
+              "cold", "prefetch", "pilot_k", "couple_k", "cache_route", "route_keep", "route_rank")
 
 def parse_draft(text: str):
   if text == "auto":
@@ -77,7 +93,9 @@ def sampling_kwargs(model) -> dict:
 def summary(result) -> str:
   s = result.stats
   line = f"{int(s['new_tokens'])} tokens ({result.stop_reason}) | prefill {s['prefill_s']:.2f} s"
-  if "experts_used" in s and s["experts_used"]:
+  if s.get("all_resident"):
+    line += " | experts: all resident"
+  elif "experts_used" in s and s["experts_used"]:
     used = s["experts_used"]
     pin, host = 100 * s["expert_pin_hits"] / used, 100 * s["expert_host_hits"] / used
     line += (f" | hit {pin + host:.1f}% (pin {pin:.1f} + host {host:.1f}) | "
@@ -122,16 +140,14 @@ def run(model) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing off the console
-  offload = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb") if
-             getattr(FLAGS, k) is not None}
-  if FLAGS.io_workers != 4 or FLAGS.cold or not FLAGS.prefetch:
-    offload.update(io_workers=FLAGS.io_workers, cold=FLAGS.cold, prefetch=FLAGS.prefetch)
+  options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
   try:
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
     parse_draft(FLAGS.draft)
-    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel, **offload)
-    run(model)
+    with glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
+                     **options) as model:
+      run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)
     return 1

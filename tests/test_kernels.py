@@ -2,7 +2,8 @@
 
 Pallas kernels run in interpret mode here (CPU); the lowering tests check
 that the GPU (Triton) and TPU (Mosaic) paths still lower, without running
-them. A compiled-GPU test runs only when a GPU is present.
+them. Compiled GPU runs are checked on a device by scripts/check_gpu.py
+(CI has no accelerator).
 """
 
 import dataclasses
@@ -173,12 +174,12 @@ def test_dedupe_slots():
   np.testing.assert_array_equal(np.asarray(uniq)[np.asarray(inv)], ids)
 
 
-def test_auto_is_xla_on_cpu_and_args_checked():
+def test_auto_backend_resolution_and_args_checked():
+  assert ops.resolve_backend("auto", "cpu") == "xla"
+  assert ops.resolve_backend("auto", "gpu") == "pallas"
+  assert ops.resolve_backend("auto", "tpu") == "pallas"
+  assert ops.resolve_backend("xla", "gpu") == "xla"
   x, pool, ids, w = _make_problem(3, 2, 2, 4, 64, 32, 32, 4, unused=0)
-  if common.platform() == "cpu":
-    np.testing.assert_array_equal(
-        np.asarray(pallas_kernels.grouped_moe(x, pool, ids, w)),
-        np.asarray(pallas_kernels.grouped_moe(x, pool, ids, w, backend="xla")))
   with pytest.raises(ValueError, match="x:"):
     pallas_kernels.grouped_moe(x[:, :10], pool, ids, w)
   with pytest.raises(ValueError, match="weights:"):
@@ -243,11 +244,9 @@ def _lower(platform, flavour, config, bits=4, rows=3):
 
 
 def _capture_triton_modules(monkeypatch):
-  """Records Triton modules built during lowering (jax internals; optional)."""
-  try:
-    from jax._src.pallas.triton import lowering as tl
-  except ImportError:
-    return None
+  """Records Triton modules built during lowering (jax internals: if they move, this test fails
+  and must be updated, rather than passing without checking anything)."""
+  from jax._src.pallas.triton import lowering as tl
   modules, orig = [], tl.lower_jaxpr_to_triton_module
 
   def capture(*args, **kwargs):
@@ -268,8 +267,6 @@ def test_triton_lowering(config, bits, monkeypatch):
   import re
   modules = _capture_triton_modules(monkeypatch)
   _lower("gpu", "pointer", config, bits)
-  if modules is None:
-    return
   assert len(modules) == 2  # gate/up and down
   for m in modules:
     assert m.operation.verify()
@@ -281,4 +278,5 @@ def test_triton_lowering(config, bits, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["fma", "dot"])
 def test_tpu_lowering(mode):
-  _lower("tpu", "prefetch", tuning.BlockConfig(mode=mode), rows=2)
+  text = _lower("tpu", "prefetch", tuning.BlockConfig(mode=mode), rows=2).as_text()
+  assert text.count("tpu_custom_call") == 2  # gate/up and down, each one Mosaic kernel

@@ -22,7 +22,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
 def convert(src, dst):
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"), f"--src={src}",
-                      f"--dst={dst}", "--dense_dtype=float32"], capture_output=True, text=True)
+                      f"--dst={dst}", ], capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
 
 
@@ -95,7 +95,8 @@ def test_accounting(store):
 
 def test_host_cache_everything_second_run_reads_nothing(store):
   path, _, _ = store
-  model = glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=1.0)
+  # Prefetch off: a hint of the first run landing during the second would count there.
+  model = glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=1.0, prefetch=False)
   first = model.generate(PROMPT, 8, stop_ids=[]).stats
   second = model.generate(PROMPT, 8, stop_ids=[]).stats
   assert first["expert_misses"] > 0
@@ -135,17 +136,19 @@ def test_lfru_hysteresis():
 def test_lfru_repins_a_hot_expert(store):
   """A device tier of 1 slot: the first-used expert is pinned; a much hotter one replaces it."""
   path, chunk, layers = store
-  model = glmjax.load(path, progress=False, device_cache_gb=layers * chunk / GB, host_cache_gb=0)
+  # Prefetch off: a landed prefetch may take the free slot first, which timing decides.
+  model = glmjax.load(path, progress=False, device_cache_gb=layers * chunk / GB, host_cache_gb=0,
+                      prefetch=False)
   eng = model.engine
   eng.heat.h.clear()
-  model.generate(PROMPT, 12, stop_ids=[])
+  s = model.generate(PROMPT, 40, stop_ids=[]).stats
+  assert s.get("repins", 0) >= 1  # the first-pinned expert was replaced at least once
   layer = eng.moe_layers[0]
   pinned = eng.device[layer].expert_in[0]
-  hottest = max(range(16), key=lambda e: eng.heat[(layer, e)])
   # Whatever sits in the slot is never beaten by the hysteresis rule by a colder expert.
   for e in range(16):
     if e != pinned:
-      assert not should_repin(eng.heat[(layer, e)], eng.heat[(layer, pinned)]) or e == hottest
+      assert not should_repin(eng.heat[(layer, e)], eng.heat[(layer, pinned)])
 
 
 def test_failed_read_names_layer_and_expert(store):
@@ -293,7 +296,8 @@ def test_cache_aware_routing_matches_definition():
 
 def test_cache_aware_routing_opt_in(store):
   path, chunk, layers = store
-  kw = dict(progress=False, device_cache_gb=0, host_cache_gb=4 * chunk / GB)
+  # Prefetch off: miss counts then depend on routing and the LRU alone, never on read timing.
+  kw = dict(progress=False, device_cache_gb=0, host_cache_gb=4 * chunk / GB, prefetch=False)
   plain = glmjax.load(path, **kw).generate(PROMPT, 10, stop_ids=[])
   aware = glmjax.load(path, cache_route=True, **kw).generate(PROMPT, 10, stop_ids=[])
   assert "route_swap_rate" not in plain.stats  # off by default

@@ -32,7 +32,7 @@ def random_mtp(tmp_path_factory):
 def random_store(random_mtp, tmp_path_factory):
   dst = str(tmp_path_factory.mktemp("mtpstore") / "s")
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"),
-                      f"--src={random_mtp}", f"--dst={dst}", "--dense_dtype=float32"],
+                      f"--src={random_mtp}", f"--dst={dst}"],
                      capture_output=True, text=True)
   assert r.returncode == 0, r.stderr
   return dst
@@ -80,17 +80,37 @@ def test_rollback_matches_fresh_forward(random_mtp):
     assert rel_err(r["logits"][0], full[p]) <= 1e-4
 
 
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.0, repetition_penalty=1.5),
+    dict(temperature=0.0, repetition_penalty=1.3, top_k=5, top_p=0.9, min_p=0.05),
+    dict(temperature=1e-4, repetition_penalty=1.5),
+    dict(temperature=1e-4, repetition_penalty=1.2, top_k=3, top_p=0.8, min_p=0.1),
+], ids=["greedy-penalty", "greedy-all", "sampled-penalty", "sampled-all"])
+def test_drafts_honour_every_sampling_option(kw):
+  """draft=k gives draft=0's tokens under a repetition penalty and every filter. At
+  temperature 1e-4 sampling is an argmax in all but name, but it runs the sampling path:
+  acceptance by p(d) and resampling, with the penalty applied to p."""
+  model = glmjax.load(progress=False)
+  plain = model.generate("def parse(text):", 40, stop_ids=[], **kw).tokens
+  for draft in (1, 3):
+    assert model.generate("def parse(text):", 40, stop_ids=[], draft=draft, **kw).tokens == plain
+
+
 def test_accept_keeps_the_distribution():
   """Point-mass drafts with the rejection rule emit exactly p (chi-square, 8k draws)."""
   logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -1.0, 1.5], jnp.float32)
   p = np.asarray(jax_softmax(logits))
   rng = np.random.default_rng(0)
-  probs = lambda lg: jax_softmax(lg)
+
+  class Picker:  # the plain distribution p; the bonus token is never needed here
+    greedy = False
+    probs = staticmethod(lambda lg: jax_softmax(lg))
+    pick = staticmethod(lambda lg: -1)
+
   for draft in (0, 3, 4):
     counts = np.zeros(6)
     for _ in range(8000):
-      a, nxt = speculative.accept(logits[None].repeat(2, 0), [draft], lambda lg: -1, probs, rng,
-                                  False)
+      a, nxt = speculative.accept(logits[None].repeat(2, 0), [draft], Picker, rng)
       counts[draft if a == 1 else nxt] += 1
     chi2 = float(((counts - 8000 * p) ** 2 / (8000 * p)).sum())
     assert chi2 < 20.5  # 5 degrees of freedom, p ≈ 0.001
@@ -105,7 +125,9 @@ def jax_softmax(x):
 def test_sampling_distribution_end_to_end(random_mtp):
   """Second-token frequencies over seeds: speculative vs plain sampling (chi-square)."""
   model = glmjax.load(random_mtp, progress=False)
-  kw = dict(temperature=1.5, stop_ids=[])
+  # A strong repetition penalty: the draft's acceptance must see it (and the history as it
+  # stands at that position), or the second token's distribution shifts.
+  kw = dict(temperature=1.5, repetition_penalty=3.0, top_k=40, top_p=0.98, stop_ids=[])
   n = 300
   plain = [model.generate(PROMPT, 2, seed=s, **kw).tokens[1] for s in range(n)]
   spec = [model.generate(PROMPT, 2, seed=s, draft=1, **kw).tokens[1] for s in range(n)]
