@@ -30,8 +30,8 @@ def bench_store(path: str | None, prefix: str) -> str:
   path = os.path.join(tempfile.mkdtemp(prefix=prefix), "store")
   script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                         "convert.py")
-  subprocess.run([sys.executable, script, f"--src={embedded.ensure()}", f"--dst={path}",
-                  "--dense_dtype=float32"], check=True, capture_output=True)
+  subprocess.run([sys.executable, script, f"--src={embedded.ensure()}", f"--dst={path}"],
+                 check=True, capture_output=True)
   return path
 
 
