@@ -15,7 +15,7 @@ import numpy as np
 from glmjax import checkpoint, embedded, store
 from glmjax.config import Config
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
-from glmjax.model import KVCache, decode_fn, init_cache, prefill_fn, score_fn
+from glmjax.model import KVCache, bucket, decode_fn, init_cache, prefill_fn, score_fn
 from glmjax.options import Options
 from glmjax.weights import Weights
 
@@ -23,8 +23,7 @@ _MIN_BUCKET = 16
 
 
 def _bucket(n: int) -> int:
-  """Next power of two ≥ n (≥ 16): bounds how many shapes get compiled."""
-  return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
+  return bucket(n, _MIN_BUCKET)
 
 
 @dataclasses.dataclass
@@ -98,7 +97,7 @@ class Model:
       eng = self.engine
 
       def prefill(cache, toks, n_valid):
-        logits, _, cache = eng.forward(toks, cache)
+        logits, _, cache = eng.forward(toks, cache, n_valid=n_valid)
         return logits[:, n_valid - 1], KVCache(cache.layers, cache.length + n_valid)
 
       def decode(cache, tok):
@@ -106,7 +105,7 @@ class Model:
         return logits[:, 0], KVCache(cache.layers, cache.length + 1)
 
       return prefill, decode
-    cfg, w, kernel = self.config, self.weights, self.options.resolved_moe_kernel
+    cfg, w, kernel = self.config, self.weights, self.options.moe_kernel
     n = jnp.asarray(1, jnp.int32)
     pre = self._compile("prefill", prefill_fn, w, cache, toks, n, cfg=cfg, kernel=kernel)
     step = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg, kernel=kernel)
@@ -131,7 +130,7 @@ class Model:
     if self.engine is not None:
       return np.asarray(self.engine.forward(arr)[0], np.float32)
     return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
-                               kernel=self.options.resolved_moe_kernel), np.float32)
+                               kernel=self.options.moe_kernel), np.float32)
 
   def generate(self, prompt_tokens: Sequence[int] | str, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -476,7 +475,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
                            top_k=cfg.num_experts_per_tok)
   engine = OffloadEngine(cfg, dense, experts, budgets, io_workers=opts.io_workers,
                          io_timeout_s=opts.io_timeout_s, cold=opts.cold, progress=opts.progress,
-                         kernel="pallas" if opts.moe_kernel == "pallas" else "xla",
+                         kernel=opts.moe_kernel, expert_compute=opts.expert_compute,
                          prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
                          cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
                                       else None))

@@ -1,19 +1,26 @@
-"""The offload engine: a host loop over jitted layer steps, resolving routed experts against
-three tiers (device pool → host LRU → store on disk) between them.
+"""The offload engine: the one forward pass (glmjax.model.forward) driven step by step, its
+routed experts resolved against three tiers (device pool → host LRU → store on disk).
 
-Per MoE layer and step:
-  1. a jitted step runs attention and the router; the host reads the top-k ids `[T, K]`;
-  2. the union of distinct experts is resolved: pinned on the device, in the host cache, or a
-     miss, and every miss is submitted to the I/O threads at once;
-  3. pinned experts are computed first (JAX dispatch is asynchronous, so the device works while
-     the host waits), then host-cached ones, then each miss as it arrives;
-  4. per-(token, rank) terms from the three groups are merged by selection and combined in
-     rank order, so results are bitwise identical whatever tier served an expert.
-With every expert resident the same jitted steps run back to back with no host round trip.
+Per MoE layer step (`_tiered`, the engine's expert provider):
+  1. the jitted attention + route step gives the top-k ids `[T, K]`; the host reads them (the
+     one round trip per MoE layer) and forms the union of experts the real tokens chose
+     (padding never routes);
+  2. every miss is submitted to the I/O threads at once (a queued prefetch of the same expert
+     is promoted to demand priority);
+  3. grouped compute: each needed expert is applied once to all the tokens that chose it.
+     Pinned experts first, then host-cached ones, then each miss as its read lands, so
+     computing one miss overlaps reading the next;
+  4. tier bookkeeping (host-cache inserts, admission to the pin pool) runs at the end of the
+     step in union order, never in completion order;
+  5. the jitted finish step combines the terms in rank order with the shared expert.
 
-Bitwise determinism across budgets holds on the XLA expert path (`expert_terms`, per pair).
-`kernel="pallas"` runs the Pallas grouped op in the all-resident fast path only; offloaded
-layers always use the per-pair path.
+Determinism: a (token, rank) term is computed by one kernel whose per-row arithmetic does not
+depend on the other rows it runs with (pallas_kernels.cpu; on a CPU-only machine every tier,
+resident pools included, uses it), and the combine has a fixed order, so results are bitwise
+identical whatever tier served an expert and in whatever order reads complete.
+
+With every expert resident the provider is one jitted kernel call per layer and the steps run
+back to back with no host round trip.
 """
 
 from __future__ import annotations
@@ -21,29 +28,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import os
+import time
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.attention import attention
 from glmjax.config import Config
 from glmjax.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
-from glmjax.layers import F32, rms_norm, swiglu
-from glmjax.model import KVCache, logits_of
-from glmjax.mtp import mtp_input, mtp_output_logits
-from glmjax.moe import combine, expert_terms, route, route_cache_aware
-from glmjax.quant import ExpertPool
+from glmjax.layers import F32, rms_norm
+from glmjax.model import JITTED, KVCache, bucket, forward, mtp_forward
+from glmjax.moe import pool_terms, resolve_kernel
+from glmjax.quant import ExpertPool, ExpertWeights
 from glmjax.store import ExpertStore
 from glmjax.tiers import (DevicePool, Heat, HostCache, as_device_pool, atomic_write, empty_pool,
                           should_repin)
 from glmjax.weights import MoE, Weights
-from pallas_kernels import grouped_moe
+from pallas_kernels import cpu
 
 USAGE_FILE = "usage.json"
 COUPLE_FILE = "couple.npy"
+PLACEMENTS = ("auto", "device", "host")
 
 
 def _load_couple(path: str, layers: int, experts: int) -> np.ndarray:
@@ -57,43 +65,7 @@ def _load_couple(path: str, layers: int, experts: int) -> np.ndarray:
   return np.zeros((layers, experts, experts), np.float32)
 
 
-# --- jitted steps ----------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "cache_route"),
-                   donate_argnames=("cache",))
-def attn_route_step(lw, x, positions, cache, start, selection, cfg: Config, absorbed: bool,
-                    resident=None, cache_route=None):
-  """Attention (+ residual), then the MLP norm; MoE layers also route. Dense layers finish.
-
-  With `cache_route=(keep, rank)` and a `resident` `[E]` mask, MoE layers route cache-aware
-  (lossy) and the last output holds that routing's [swaps, overlap, kl] sums.
-  """
-  h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-  a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
-  x = x + a
-  hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-  if not isinstance(lw.mlp, MoE):
-    return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection, None
-  flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
-  if cache_route is not None:
-    ids, w, route_stats = route_cache_aware(flat, lw.mlp.router, lw.mlp.bias, cfg, resident,
-                                            *cache_route)
-    return x, flat, ids, w, cache, selection, route_stats
-  ids, w = route(flat, lw.mlp.router, lw.mlp.bias, cfg)
-  return x, flat, ids, w, cache, selection, None
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def moe_finish_step(m: MoE, x, flat, ys, w, cfg: Config):
-  """Rank-ordered combine of the expert terms, plus the shared expert, plus the residual."""
-  out = combine(ys, w)
-  if m.shared is not None:
-    out = out + swiglu(flat, m.shared.gate_up, m.shared.down)
-  return x + out.reshape(x.shape)
-
-
-terms_step = jax.jit(expert_terms)
-
+# --- jitted pieces of the provider ------------------------------------------------------------
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
 def pilot_step(next_lw, x, cfg: Config, k: int):
@@ -104,38 +76,12 @@ def pilot_step(next_lw, x, cfg: Config, k: int):
   return jax.lax.top_k(scores + next_lw.mlp.bias.astype(F32), k)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def moe_pallas_step(m: MoE, x, flat, pool: ExpertPool, ids, w, cfg: Config):
-  """The all-resident MoE through the Pallas grouped op (combine inside the kernel)."""
-  out = grouped_moe(flat, pool, ids, w, backend="pallas")
-  if m.shared is not None:
-    out = out + swiglu(flat, m.shared.gate_up, m.shared.down)
-  return x + out.reshape(x.shape)
+pool_terms_step = jax.jit(pool_terms, static_argnames=("kernel",))
 
 
 @jax.jit
 def merge_terms(active, a, b):
   return jnp.where(active[..., None], a, b)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def logits_step(w: Weights, x, cfg: Config):
-  return logits_of(w, x, cfg)
-
-
-@jax.jit
-def embed_step(embed, tokens):
-  return embed[tokens].astype(F32)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def mtp_in_step(w: Weights, h, next_tokens, cfg: Config):
-  return mtp_input(w, w.mtp[0], h, next_tokens, cfg)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def mtp_out_step(w: Weights, x, cfg: Config):
-  return mtp_output_logits(w, w.mtp[0], x, cfg)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -146,15 +92,47 @@ class Budgets:
   host_bytes: int
 
 
+@dataclasses.dataclass
+class _Step:
+  """One MoE layer step's routing, as the host sees it."""
+  layer: int
+  x: np.ndarray  # [T, D] float32, the normed hidden states routed
+  ids: np.ndarray  # [T, K] expert ids (padding rows included, never used)
+  pairs: dict  # expert → (token rows, ranks) of the real tokens that chose it
+
+  @classmethod
+  def of(cls, layer, flat, ids, valid) -> "_Step":
+    ids_np = np.asarray(ids)
+    rows = np.flatnonzero(np.asarray(valid))
+    t, k = np.divmod(np.arange(rows.size * ids_np.shape[1]), ids_np.shape[1])
+    t = rows[t]
+    chosen = ids_np[t, k]
+    order = np.argsort(chosen, kind="stable")
+    t, k, chosen = t[order], k[order], chosen[order]
+    cuts = np.flatnonzero(np.diff(chosen)) + 1
+    pairs = {int(c[0]): (tt, kk) for c, tt, kk in zip(np.split(chosen, cuts), np.split(t, cuts),
+                                                      np.split(k, cuts)) if c.size}
+    return cls(layer, np.asarray(flat, np.float32), ids_np, pairs)
+
+  @property
+  def union(self) -> list[int]:
+    return sorted(self.pairs)
+
+
 class OffloadEngine:
   """Runs the model layer by layer over dense weights and a store's routed experts."""
 
   def __init__(self, cfg: Config, dense: Weights, store: ExpertStore, budgets: Budgets,
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
-               progress: bool = True, kernel: str = "xla", prefetch: bool = True,
-               pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None):
+               progress: bool = True, kernel: str = "auto", prefetch: bool = True,
+               pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None,
+               expert_compute: str = "device"):
+    if expert_compute not in PLACEMENTS:
+      raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
-    self.kernel = kernel
+    self.kernel = resolve_kernel(kernel)  # the device kernel (pinned and uploaded experts)
+    self.on_cpu = jax.default_backend() == "cpu"
+    self.expert_compute = expert_compute
     self.cache_route = cache_route
     self.pilot_k, self.couple_k = pilot_k, couple_k
     self.moe_layers = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
@@ -174,7 +152,9 @@ class OffloadEngine:
     self.heat = Heat.load(self.usage_path)
     if cold:
       drop_page_cache(os.path.join(store.path, "experts"))
-    self.stats = collections.Counter()
+    self.stats = collections.Counter({"experts_on_device": 0, "experts_on_host": 0,
+                                      "h2d_bytes": 0})
+    self.rates = {"host": 0.0, "h2d": 0.0}  # measured bytes/s (auto placement), EMA
     self.device: dict[int, DevicePool] = {}
     self._fill_device_tier(progress)
     # Prefetch: only worth it when a landed expert has somewhere to stay.
@@ -202,11 +182,19 @@ class OffloadEngine:
         pool.expert_in = list(range(self.slots))
         self.device[layer] = pool
       return
+    # Pin the hottest experts of past runs (the persisted usage histogram), read in parallel
+    # through the I/O threads and installed as they land.
+    futures = {}
     for layer in self.moe_layers:
       self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots))
-      # Pin the hottest experts of past runs (the persisted usage histogram).
       for e in self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts):
-        self.device[layer].install(e, self.store.read(layer, e), self.device[layer].free_slot())
+        futures[self.reader.submit(layer, e)] = (layer, e)
+    with tqdm(total=len(futures), desc="pinning experts", disable=not progress or not futures,
+              leave=False) as bar:
+      for (layer, e), blob in self.reader.as_completed(futures):
+        dev = self.device[layer]
+        dev.install(e, self.layout.unpack(blob), dev.free_slot())
+        bar.update()
 
   def save(self) -> None:
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
@@ -252,7 +240,7 @@ class OffloadEngine:
       if kind == DEMAND or not fut.done():
         continue
       del self.inflight[key]
-      if fut.exception() is not None:
+      if fut.cancelled() or fut.exception() is not None:
         self.stats["prefetch_failed"] += 1  # a hint failing is not an error; demand retries
         continue
       blob = fut.result()
@@ -278,7 +266,7 @@ class OffloadEngine:
     if next_layer is None:
       return
     if pilot is not None:
-      pred = {int(e) for e in np.unique(np.asarray(pilot))}
+      pred = {int(e) for e in np.unique(pilot)}
       self.pilot_pred[next_layer] = pred
       self.hint(next_layer, sorted(pred), PILOT)
     if self.couple_k:
@@ -286,14 +274,34 @@ class OffloadEngine:
       top = [int(e) for e in np.argsort(-score, kind="stable")[:self.couple_k] if score[e] > 0]
       self.hint(next_layer, top, COUPLE)
 
-  # -- per-layer expert resolution ----------------------------------------------------------
-  def _experts(self, layer: int, flat, ids, next_layer=None, pilot=None):
-    """Unweighted expert terms `[T, K, D]` of one MoE layer (and hints for `next_layer`)."""
-    dev = self.device.get(layer)
-    if self.all_resident:
-      return terms_step(flat, dev.pool, ids)
-    ids_np = np.asarray(ids)  # [T, K]; the one host round trip per MoE layer
-    union = [int(e) for e in np.unique(ids_np)]
+  def _next_moe(self, layer: int) -> int | None:
+    nxt = layer + 1
+    layers = self.dense.layers
+    return nxt if nxt < len(layers) and isinstance(layers[nxt].mlp, MoE) else None
+
+  # -- the expert providers -----------------------------------------------------------------
+  def _resident_terms(self, layer, m, x, flat, ids, valid, route_stats=None):
+    """All experts pinned: one jitted kernel call, no host round trip."""
+    return pool_terms_step(flat, self.device[layer].pool, ids, valid[:, None], kernel=self.kernel)
+
+  def _tiered(self, layer, m, x, flat, ids, valid, route_stats=None):
+    """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers."""
+    if route_stats is not None:  # [T, 3] per token; padding rows do not count
+      real = np.asarray(valid)
+      swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[real].sum(axis=0))
+      self.stats["route_swaps"] += swaps
+      self.stats["route_overlap_sum"] += overlap
+      self.stats["route_kl_sum"] += kl
+      self.stats["route_tokens"] += int(real.sum())
+    nxt = self._next_moe(layer) if layer < self.cfg.num_hidden_layers else None
+    pilot = None
+    if self.prefetch and self.pilot_k and nxt is not None:
+      k = min(self.pilot_k, self.cfg.n_routed_experts)
+      pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
+    step = _Step.of(layer, flat, ids, valid)  # the host round trip
+    if pilot is not None:
+      pilot = np.asarray(pilot)[np.flatnonzero(np.asarray(valid))]
+    union = step.union
     self.heat.use(layer, union)
     self.stats["experts_used"] += len(union)
     keys = {(layer, e) for e in union}
@@ -301,15 +309,15 @@ class OffloadEngine:
       self._land(protect=keys)
       pred = self.pilot_pred.pop(layer, None)
       if pred is not None:
-        hit = len(pred & set(union))
-        self.stats["pilot_hits"] += hit
+        self.stats["pilot_hits"] += len(pred & set(union))
         self.stats["pilot_predicted"] += len(pred)
         self.stats["pilot_actual"] += len(union)
       for key in keys & self.landed_unused:
         self.landed_unused.discard(key)
         self.stats["prefetch_useful"] += 1
+    dev = self.device.get(layer)
     pinned = [e for e in union if dev is not None and e in dev]
-    cached, missing, futures = {}, [], {}
+    cached, futures = {}, {}
     for e in union:
       if e in pinned:
         continue
@@ -317,57 +325,132 @@ class OffloadEngine:
       if blob is not None:
         cached[e] = blob
       elif (layer, e) in self.inflight:  # a prefetch still loading: wait for it, no re-read
-        missing.append(e)
-        futures[e] = self.inflight.pop((layer, e))[0]
-        self.reader.promote(futures[e])  # a hint still queued is now a demand
+        fut = self.inflight.pop((layer, e))[0]
+        self.reader.promote(fut)  # a hint still queued is now a demand
+        futures[fut] = (layer, e)
         self.stats["prefetch_late"] += 1
       else:
-        missing.append(e)
-        futures[e] = self.reader.submit(layer, e)  # every miss dispatched up front
+        futures[self.reader.submit(layer, e)] = (layer, e)  # every miss dispatched up front
     if self.prefetch:
-      self._predict(layer, union, next_layer, pilot)
+      self._predict(layer, union, nxt, pilot)
       if self._prev_union is not None and self._prev_union[0] < layer:
         self.couple[self._prev_union[0]][np.ix_(self._prev_union[1], union)] += 1.0
       self._prev_union = (layer, union)
     self.stats["expert_pin_hits"] += len(pinned)
     self.stats["expert_host_hits"] += len(cached)
-    self.stats["expert_misses"] += len(missing)
-    self.stats[f"misses_layer_{layer}"] += len(missing)
+    self.stats["expert_misses"] += len(futures)
+    self.stats[f"misses_layer_{layer}"] += len(futures)
+    terms = self._compute(step, dev, pinned, cached, futures)
+    return terms
 
-    groups = []  # (active [T, K], terms) in the order they are computed
-    if pinned:
-      slots = _lookup(dev.slot_of, ids_np, self.cfg.n_routed_experts)
-      active = np.isin(ids_np, pinned)
-      groups.append((active, terms_step(flat, dev.pool, jnp.asarray(slots, jnp.int32),
-                                        jnp.asarray(active))))
-    if cached:
-      groups.append(self._working_terms(layer, flat, ids_np, cached))
+  def _compute(self, step: _Step, dev, pinned, cached, futures):
+    """Grouped compute of one layer step; the tiers are updated after, in union order."""
+    layout = self.store.layout(step.layer)
+    host_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
+    on_device = self._place(len(cached) + len(futures))
+    uploads: dict[int, np.ndarray] = {}
+    device_terms = None
+    if pinned and not self.on_cpu:  # the device kernel over the pin pool, queued first
+      device_terms = self._device_terms(step, dev.pool, dev.slot_of, pinned)
+    elif pinned:  # CPU-only: the device pool is host memory; the same CPU kernel reads it
+      pool = jax.tree_util.tree_map(np.asarray, dev.pool)
+      for e in pinned:
+        s = dev.slot_of[e]
+        self._host_expert(step, e, ExpertWeights(
+            dataclasses.replace(pool.gate_up, packed=pool.gate_up.packed[s],
+                                scales=pool.gate_up.scales[s]),
+            dataclasses.replace(pool.down, packed=pool.down.packed[s],
+                                scales=pool.down.scales[s])), host_terms)
+    self.stats["experts_on_device"] += len(pinned)
     arrived = {}
-    for e in missing:  # lazily: each read is awaited only now, after resident work is queued
-      blob = self.reader.wait(futures[e], layer, e)
-      self.stats["expert_bytes_read"] += blob.nbytes
-      self._put_host((layer, e), blob, keys)
-      arrived[e] = blob
-    if arrived:
-      groups.append(self._working_terms(layer, flat, ids_np, arrived))
-    self._admit(layer, union, {**cached, **arrived})
+    landed = ((key[1], blob) for key, blob in self.reader.as_completed(futures))
+    for e, blob in itertools.chain(cached.items(), landed):  # misses in completion order
+      if e not in cached:
+        arrived[e] = blob
+        self.stats["expert_bytes_read"] += blob.nbytes
+      if on_device:
+        uploads[e] = blob
+      else:
+        t0 = time.perf_counter()
+        self._host_expert(step, e, layout.unpack(blob), host_terms)
+        self._rate("host", blob.nbytes, time.perf_counter() - t0)
+    if uploads:
+      device_terms = self._upload_terms(step, layout, uploads, device_terms)
+    self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached) + len(
+        arrived)
+    # Tier bookkeeping in union order, whatever order the reads completed in.
+    protect = {(step.layer, e) for e in step.union}
+    for e in step.union:
+      if e in arrived:
+        self._put_host((step.layer, e), arrived[e], protect)
+    self._admit(step.layer, step.union, {e: b for e in step.union
+                                         for b in [cached.get(e, arrived.get(e))] if b is not None})
+    out = jnp.asarray(host_terms)
+    if device_terms is not None:
+      active, terms = device_terms
+      out = merge_terms(jnp.asarray(active), terms, out)
+    return out
 
-    active, ys = groups[-1]
-    for act, terms in reversed(groups[:-1]):
-      ys = merge_terms(jnp.asarray(act), terms, ys)
-    return ys
+  def _host_expert(self, step: _Step, e: int, w: ExpertWeights, out: np.ndarray) -> None:
+    """Expert `e` applied by the CPU kernel to every real token that chose it."""
+    t, k = step.pairs[e]
+    gu, dn = w.gate_up, w.down
+    out[t, k] = cpu.expert_ffn(step.x[t], gu.packed, gu.scales, dn.packed, dn.scales, gu.bits,
+                               gu.group_size, dn.out_features, dn.in_features)
 
-  def _working_terms(self, layer: int, flat, ids_np, blobs: dict[int, np.ndarray]):
-    """Terms of experts held as host bytes, through a transient padded device pool."""
+  def _active(self, step: _Step, experts) -> np.ndarray:
+    active = np.zeros(step.ids.shape, bool)
+    for e in experts:
+      t, k = step.pairs[e]
+      active[t, k] = True
+    return active
+
+  def _device_terms(self, step: _Step, pool: ExpertPool, slot_of: dict, experts):
+    """(active `[T, K]`, device terms) of `experts` held in a device `pool`."""
+    active = self._active(step, experts)
+    slots = np.zeros(step.ids.shape, np.int32)
+    for e in experts:
+      t, k = step.pairs[e]
+      slots[t, k] = slot_of[e]
+    terms = pool_terms_step(jnp.asarray(step.x), pool, jnp.asarray(slots), jnp.asarray(active),
+                            kernel=self.kernel)
+    return active, terms
+
+  def _upload_terms(self, step: _Step, layout, blobs: dict, prior):
+    """Host-held experts uploaded into a transient device pool and run by the device kernel
+    (expert_compute="device" on an accelerator), merged over `prior` device terms."""
     experts = sorted(blobs)
-    width = _bucket(len(experts))
-    layout = self.store.layout(layer)
     weights = [layout.unpack(blobs[e]) for e in experts]
-    weights += [weights[-1]] * (width - len(experts))
+    weights += [weights[-1]] * (bucket(len(experts)) - len(experts))  # few compiled shapes
+    t0 = time.perf_counter()
     pool = as_device_pool(weights)
-    slots = _lookup({e: s for s, e in enumerate(experts)}, ids_np, self.cfg.n_routed_experts)
-    active = np.isin(ids_np, experts)
-    return active, terms_step(flat, pool, jnp.asarray(slots, jnp.int32), jnp.asarray(active))
+    nbytes = sum(blobs[e].nbytes for e in experts)
+    self.stats["h2d_bytes"] += 0 if self.on_cpu else nbytes
+    self._rate("h2d", nbytes, time.perf_counter() - t0)
+    active, terms = self._device_terms(step, pool, {e: s for s, e in enumerate(experts)}, experts)
+    if prior is not None:
+      terms = merge_terms(jnp.asarray(prior[0]), prior[1], terms)
+      active = active | prior[0]
+    return active, terms
+
+  def _rate(self, name: str, nbytes: int, seconds: float) -> None:
+    if seconds > 0:
+      r = nbytes / seconds
+      self.rates[name] = r if not self.rates[name] else 0.8 * self.rates[name] + 0.2 * r
+
+  def _place(self, n: int) -> bool:
+    """Whether this step's host-held experts run on the device (True) or the CPU kernel."""
+    if self.expert_compute == "device":
+      return True
+    if self.expert_compute == "host" or self.on_cpu or n == 0:
+      return False
+    # auto: upload when the bus moves bytes faster than the CPU kernel streams them (the device
+    # kernel itself is far faster than either). Unmeasured rates start by trying each.
+    if not self.rates["h2d"]:
+      return True
+    if not self.rates["host"]:
+      return False
+    return self.rates["h2d"] > self.rates["host"]
 
   def _admit(self, layer: int, union, blobs: dict[int, np.ndarray]):
     """Moves just-used experts into the device tier: free slots first, then LFRU swaps."""
@@ -383,48 +466,31 @@ class OffloadEngine:
           continue
         slot = cold[0]
         self.stats["repins"] += 1
-      dev.install(e, self.layout.unpack(blobs[e]), slot)
+      dev.install(e, self.store.layout(layer).unpack(blobs[e]), slot)
 
   # -- forward --------------------------------------------------------------------------------
-  def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False):
-    """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`."""
-    cfg = self.cfg
-    tokens = jnp.asarray(tokens, jnp.int32)
-    start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    x = embed_step(self.dense.embed, tokens)
-    selection, new_layers = None, []
+  def _provider(self):
+    return self._resident_terms if self.all_resident else self._tiered
+
+  def _route_args(self, layer: int):
+    """Cache-aware routing's inputs for `layer`: (resident `[E]` mask, (keep, rank))."""
+    if layer not in self.device and layer not in self.moe_layers:
+      return None, None
+    mask = [self._resident(layer, e) for e in range(self.cfg.n_routed_experts)]
+    return jnp.asarray(mask), tuple(self.cache_route)
+
+  def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
+              n_valid: int | None = None):
+    """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`
+    (the first `n_valid` positions real, the rest padding that never routes)."""
     self._prev_union = None
-    layers = self.dense.layers
-    for i, lw in enumerate(layers):
-      lc = None if cache is None else cache.layers[i]
-      resident, aware = None, None
-      if self.cache_route and isinstance(lw.mlp, MoE) and not self.all_resident:
-        resident = jnp.asarray([self._resident(i, e) for e in range(cfg.n_routed_experts)])
-        aware = tuple(self.cache_route)
-      x, flat, ids, w, lc, selection, rstats = attn_route_step(
-          lw, x, positions, lc, start, selection, cfg=cfg, absorbed=absorbed, resident=resident,
-          cache_route=aware)
-      if rstats is not None:
-        swaps, overlap, kl = (float(v) for v in np.asarray(rstats))
-        self.stats["route_swaps"] += swaps
-        self.stats["route_overlap_sum"] += overlap
-        self.stats["route_kl_sum"] += kl
-        self.stats["route_tokens"] += flat.shape[0]
-      if ids is not None and self.all_resident and self.kernel == "pallas":
-        x = moe_pallas_step(lw.mlp, x, flat, self.device[i].pool, ids, w, cfg=cfg)
-      elif ids is not None:
-        nxt = i + 1 if i + 1 < len(layers) and isinstance(layers[i + 1].mlp, MoE) else None
-        pilot = None
-        if self.prefetch and self.pilot_k and nxt is not None:
-          pilot = pilot_step(layers[nxt], x, cfg=cfg, k=min(self.pilot_k, cfg.n_routed_experts))
-        ys = self._experts(i, flat, ids, nxt, pilot)
-        x = moe_finish_step(lw.mlp, x, flat, ys, w, cfg=cfg)
-      new_layers.append(lc)
+    aware = self.cache_route is not None and not self.all_resident
+    out = forward(self.dense, jnp.asarray(tokens, jnp.int32), self.cfg, cache, absorbed,
+                  experts=self._provider(), steps=JITTED, n_valid=n_valid,
+                  route_args=self._route_args if aware else None)
     if not self.all_resident:
       self.heat.decay()
-    new_cache = None if cache is None else KVCache(new_layers, cache.length)
-    return logits_step(self.dense, x, cfg=cfg), x, new_cache
+    return out
 
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
@@ -432,17 +498,9 @@ class OffloadEngine:
     Returns (logits `[B, S, V]`, block output `[B, S, D]`, the MTP layer cache). Its routed
     experts come through the same tiers as the main layers' (the store's "mtp" group).
     """
-    cfg, m = self.cfg, self.dense.mtp[0]
-    layer = cfg.num_hidden_layers
-    s = h.shape[1]
-    start = jnp.asarray(start, jnp.int32)
-    positions = start + jnp.arange(s, dtype=jnp.int32)
-    u = mtp_in_step(self.dense, h, jnp.asarray(next_tokens, jnp.int32), cfg=cfg)
-    x, flat, ids, w, cache, _, _ = attn_route_step(m.layer, u, positions, cache, start, None,
-                                                   cfg=cfg, absorbed=s <= 4)
-    ys = self._experts(layer, flat, ids)
-    x = moe_finish_step(m.layer.mlp, x, flat, ys, w, cfg=cfg)
-    return mtp_out_step(self.dense, x, cfg=cfg), x, cache
+    return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, cache,
+                       jnp.asarray(start, jnp.int32), absorbed=h.shape[1] <= 4,
+                       experts=self._provider(), steps=JITTED)
 
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""
@@ -454,14 +512,3 @@ class OffloadEngine:
     out["io_service_s"] = self.reader.service_s
     out["io_wait_s"] = self.reader.wait_s
     return out
-
-
-def _lookup(slot_of: dict[int, int], ids, n_experts: int) -> np.ndarray:
-  """Slot of each expert id in `ids` (0 for experts not in `slot_of`; those pairs are inactive)."""
-  table = np.zeros(n_experts, np.int32)
-  table[list(slot_of)] = list(slot_of.values())
-  return table[ids]
-
-
-def _bucket(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())

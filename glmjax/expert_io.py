@@ -123,6 +123,29 @@ class ExpertReader:
     finally:
       self.wait_s += time.perf_counter() - t0
 
+  def as_completed(self, futures: dict):
+    """Yields ((layer, expert), bytes) for `futures` {Future: (layer, expert)} as reads finish.
+
+    Reads finishing together are yielded in (layer, expert) order. Raises ExpertIOError for a
+    failed read, or when no read finishes within `timeout_s`.
+    """
+    pending = set(futures)
+    while pending:
+      t0 = time.perf_counter()
+      done, pending = cf.wait(pending, timeout=self.timeout_s, return_when=cf.FIRST_COMPLETED)
+      self.wait_s += time.perf_counter() - t0
+      if not done:
+        for fut in pending:
+          fut.cancel()
+        layer, expert = min(futures[f] for f in pending)
+        raise ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
+                            f"{self.timeout_s:.1f} s (stalled storage?)")
+      for fut in sorted(done, key=futures.get):
+        if fut.cancelled():
+          layer, expert = futures[fut]
+          raise ExpertIOError(f"reading layer {layer} expert {expert} was cancelled")
+        yield futures[fut], fut.result()
+
   @property
   def threads_alive(self) -> int:
     return sum(t.is_alive() for t in self._threads)

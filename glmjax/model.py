@@ -2,16 +2,19 @@
 
 Letters: B batch, S sequence (queries), T cache capacity, D hidden, V vocabulary.
 
-jit boundaries are the three entry points at the bottom (`score_fn`, `prefill_fn`, `decode_fn`);
-inside them the decoder layers are a Python loop, so each layer keeps its own structure (dense or
-MoE, full or shared indexer) and the offload engine can later call `layer_forward` one at a time.
+The forward pass is written once (`forward`, and `mtp_forward` for the MTP block), from three
+pure pieces per layer: attention + route, routed experts through an expert provider, and
+combine + shared expert + residual. Resident models run it inside one jit (the entry points at
+the bottom); the offload engine drives the same pieces jitted one by one (`JITTED`) with its
+tiered provider and host work between them. Decoder layers are a Python loop, so each layer
+keeps its own structure (dense or MoE, full or shared indexer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,9 @@ import jax.numpy as jnp
 from glmjax.attention import LayerCache, attention
 from glmjax.config import Config
 from glmjax.layers import F32, linear, rms_norm, swiglu
-from glmjax.moe import moe
+from glmjax.moe import combine, expert_outputs, pool_terms, route, route_cache_aware
+from glmjax.mtp import mtp_input, mtp_output_logits
+from glmjax.quant import ExpertPool
 from glmjax.weights import MoE, Weights
 
 
@@ -29,6 +34,11 @@ class KVCache:
   """Per-layer latent caches plus the number of positions written (`length`, int32 [])."""
   layers: Any  # list[LayerCache]
   length: Any
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """Next power of two ≥ max(n, minimum): pads lengths so few shapes get compiled."""
+  return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
 def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -41,21 +51,46 @@ def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVC
                  length=jnp.zeros((), jnp.int32))
 
 
-def layer_forward(lw, x, positions, cfg: Config, cache=None, start=None, selection=None,
-                  absorbed=False, kernel="xla"):
-  """One decoder layer: x + attn(norm x), then + ffn(norm x). Returns (x, cache, selection)."""
+def attn_route(lw, x, positions, cfg: Config, cache=None, start=None, selection=None,
+               absorbed: bool = False, resident=None, cache_route=None):
+  """A layer up to its experts: attention (+ residual) and the MLP norm; MoE layers route,
+  dense layers finish their MLP.
+
+  Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
+  flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
+  `resident` `[E]` mask, MoE layers route cache-aware (lossy) and `route_stats` holds that
+  routing's [swaps, overlap, kl] sums (else None).
+  """
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
     x = x + a
-  h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-  if isinstance(lw.mlp, MoE):
-    with jax.named_scope("moe"):
-      x = x + moe(lw.mlp, h, cfg, kernel)
-  else:
+  hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+  if not isinstance(lw.mlp, MoE):
     with jax.named_scope("mlp"):
-      x = x + swiglu(h, lw.mlp.gate_up, lw.mlp.down)
-  return x, cache, selection
+      return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection, None
+  flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
+  with jax.named_scope("route"):
+    if cache_route is not None:
+      ids, w, stats = route_cache_aware(flat, lw.mlp.router, lw.mlp.bias, cfg, resident,
+                                        *cache_route)
+      return x, flat, ids, w, cache, selection, stats
+    ids, w = route(flat, lw.mlp.router, lw.mlp.bias, cfg)
+  return x, flat, ids, w, cache, selection, None
+
+
+def moe_finish(m: MoE, x, flat, ys, w):
+  """Rank-ordered combine of the expert terms `ys` `[T, K, D]`, the shared expert, residual."""
+  with jax.named_scope("combine"):
+    out = combine(ys, w)
+  if m.shared is not None:
+    with jax.named_scope("shared_expert"):
+      out = out + swiglu(flat, m.shared.gate_up, m.shared.down)
+  return x + out.reshape(x.shape)
+
+
+def embed(w: Weights, tokens):
+  return w.embed[tokens].astype(F32)
 
 
 def logits_of(w: Weights, x, cfg: Config):
@@ -64,51 +99,166 @@ def logits_of(w: Weights, x, cfg: Config):
   return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), head)
 
 
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The pieces the forward pass is made of: plain functions inside one jit (`PURE`), or each
+  jitted on its own (`JITTED`) for the offload engine, which does host work between them."""
+  embed: Callable
+  attn_route: Callable
+  finish: Callable
+  logits: Callable
+  mtp_input: Callable
+  mtp_logits: Callable
+
+
+PURE = Steps(embed, attn_route, moe_finish, logits_of, mtp_input, mtp_output_logits)
+JITTED = Steps(
+    jax.jit(embed),
+    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route"),
+            donate_argnames=("cache",)),
+    jax.jit(moe_finish),
+    jax.jit(logits_of, static_argnames=("cfg",)),
+    jax.jit(mtp_input, static_argnames=("cfg",)),
+    jax.jit(mtp_output_logits, static_argnames=("cfg",)))
+
+
+class ExpertProvider(Protocol):
+  """Supplies a MoE layer's routed-expert terms: where the experts live is its business."""
+
+  def __call__(self, layer: int, m: MoE, x, flat, ids, valid, route_stats):
+    """Unweighted terms `[T, K, D]` for `flat` `[T, D]` routed to `ids` `[T, K]`.
+
+    `x` is the post-attention residual `[B, S, D]` (the engine predicts the next layer's
+    experts from it); `valid` `[T]` bool marks real tokens (padding never selects experts);
+    `route_stats` is cache-aware routing's [swaps, overlap, kl] (None when routing is exact).
+    """
+
+
+def resident_experts(kernel: str = "auto") -> ExpertProvider:
+  """The provider for weights held in the pytree: float `Experts` (HF checkpoints) or a layer's
+  quantized `ExpertPool` in slot = expert id order (a store that fits), computed inside the
+  caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform)."""
+  def provide(layer, m, x, flat, ids, valid, route_stats=None):
+    if isinstance(m.experts, ExpertPool):
+      return pool_terms(flat, m.experts, ids, valid[:, None], kernel)
+    return expert_outputs(flat, ids, m.experts)
+  return provide
+
+
+def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
+  """The routed + shared experts of one MoE layer for `x` `[..., D]` (no residual): route,
+  the resident provider, combine; the same pieces as `forward`."""
+  flat = x.reshape(-1, x.shape[-1]).astype(F32)  # [T, D]
+  ids, w = route(flat, m.router, m.bias, cfg)
+  ys = resident_experts(kernel)(0, m, x, flat, ids, jnp.ones(flat.shape[:1], bool), None)
+  return moe_finish(m, jnp.zeros(x.shape, F32), flat, ys, w)
+
+
+def _layer(i: int, lw, x, positions, valid, cfg: Config, cache, start, selection, absorbed,
+           experts: ExpertProvider, steps: Steps, route_args):
+  """One decoder layer through `steps`, its routed experts from `experts`."""
+  resident, cache_route = route_args(i) if route_args is not None else (None, None)
+  x, flat, ids, w, cache, selection, stats = steps.attn_route(
+      lw, x, positions, cfg=cfg, cache=cache, start=start, selection=selection,
+      absorbed=absorbed, resident=resident, cache_route=cache_route)
+  if ids is not None:
+    with jax.named_scope("experts"):
+      ys = experts(i, lw.mlp, x, flat, ids, valid, stats)
+    x = steps.finish(lw.mlp, x, flat, ys, w)
+  return x, cache, selection
+
+
+def _valid(shape, n_valid):
+  """`[B*S]` bool: position < n_valid (all true without padding)."""
+  b, s = shape
+  if n_valid is None:
+    return jnp.ones((b * s,), bool)
+  return jnp.broadcast_to(jnp.arange(s) < n_valid, (b, s)).reshape(-1)
+
+
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
-            kernel="xla"):
+            experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
+            route_args=None):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
-  Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
+  This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
+  step by step by the offload engine with `steps=JITTED` and its tiered `experts`. Also returns
+  the final pre-norm hidden states (the MTP head's input) and the new cache. Positions at or
+  past `n_valid` are padding: they never select experts.
   """
+  experts = experts or resident_experts()
   start = jnp.zeros((), jnp.int32) if cache is None else cache.length
   positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [S]
-  x = w.embed[tokens].astype(F32)  # [B, S, D]
+  valid = _valid(tokens.shape, n_valid)
+  x = steps.embed(w, tokens)  # [B, S, D]
   new_layers, selection = [], None
   for i, lw in enumerate(w.layers):
     lc = None if cache is None else cache.layers[i]
-    x, lc, selection = layer_forward(lw, x, positions, cfg, lc, start, selection, absorbed,
-                                     kernel)
+    x, lc, selection = _layer(i, lw, x, positions, valid, cfg, lc, start, selection, absorbed,
+                              experts, steps, route_args)
     new_layers.append(lc)
   new_cache = None if cache is None else KVCache(new_layers, cache.length)
-  return logits_of(w, x, cfg), x, new_cache
+  return steps.logits(w, x, cfg=cfg), x, new_cache
+
+
+def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache=None, start=None,
+                absorbed: bool = False, experts: ExpertProvider | None = None,
+                steps: Steps = PURE, depth: int = 0, n_valid=None):
+  """The MTP block at positions start..start+S-1 (0.. without a cache) over the main model's
+  hidden states h `[B, S, D]` and the tokens after them `[B, S]`.
+
+  This is the one MTP step, for training (teacher-forced, no cache), speculative drafting
+  (cached) and the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's output
+  `[B, S, D]`, the MTP layer cache). Its experts are layer `num_hidden_layers + depth`.
+  """
+  experts = experts or resident_experts()
+  m = w.mtp[depth]
+  base = jnp.zeros((), jnp.int32) if start is None else start
+  positions = base + jnp.arange(h.shape[1], dtype=jnp.int32)
+  u = steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
+  x, cache, _ = _layer(cfg.num_hidden_layers + depth, m.layer, u, positions,
+                       _valid(next_tokens.shape, n_valid), cfg, cache, start, None, absorbed,
+                       experts, steps, None)
+  return steps.mtp_logits(w, m, x, cfg=cfg), x, cache
 
 
 # --- jitted entry points -------------------------------------------------------------------
 
-# `kernel` ("xla" | "pallas") selects the MoE backend for quantized experts; it is static because
-# it selects different code, not because it changes shapes.
+# `kernel` ("auto" | "cpu" | "xla" | "pallas") selects the backend for quantized experts; it is
+# static because it selects different code, not because it changes shapes.
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel"))
-def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "xla"):
+def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto"):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache."""
-  return forward(w, tokens, cfg, kernel=kernel)[0]
+  return forward(w, tokens, cfg, experts=resident_experts(kernel))[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
-def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "xla"):
+def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto"):
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache.
 
-  Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache). Padding
-  positions land beyond `length` and are overwritten before any query can see them.
+  Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache advanced by
+  `n_valid`). Padding positions land beyond `length` and are overwritten before any query can
+  see them.
   """
-  logits, x, cache = forward(w, tokens, cfg, cache, kernel=kernel)
+  logits, x, cache = forward(w, tokens, cfg, cache, experts=resident_experts(kernel),
+                             n_valid=n_valid)
   last = n_valid - 1
-  cache = KVCache(cache.layers, cache.length + n_valid)
-  return logits[:, last], x[:, last], cache
+  return logits[:, last], x[:, last], KVCache(cache.layers, cache.length + n_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed"),
+                   donate_argnames=("cache",))
+def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
+              absorbed: bool = True):
+  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S)."""
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed,
+                             experts=resident_experts(kernel))
+  return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
-def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "xla"):
-  """One step for `tokens` `[B, S]` (S = 1, or 1 + drafts) on the absorbed path."""
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=True, kernel=kernel)
-  return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, kernel: str = "auto"):
+  """Cached MTP step(s) at positions start..: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
+  return mtp_forward(w, h, next_tokens, cfg, cache, start, absorbed=h.shape[1] <= 4,
+                     experts=resident_experts(kernel))

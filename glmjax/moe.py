@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from glmjax.config import Config
 from glmjax.layers import F32, linear, swiglu
 from glmjax.quant import ExpertPool
-from glmjax.weights import Experts, MoE
-from pallas_kernels import grouped_moe
+from glmjax.weights import Experts
+from pallas_kernels import cpu
+from pallas_kernels.ops import grouped_terms
 from pallas_kernels.reference import combine_in_order, expert_terms
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
@@ -60,8 +61,8 @@ def route_cache_aware(x, router, bias, cfg: Config, resident, keep: int, rank: i
 
   The true top-`keep` experts always stay; the other K − keep slots go to resident experts
   (`resident` `[E]` bool) among the top-`rank` by biased score, in rank order, and only then
-  to the best-ranked non-resident ones. Returns (ids, weights, stats) where stats `[3]` sums
-  over tokens: swapped slots, routing-mass overlap Σ min(w_true, w_chosen), and
+  to the best-ranked non-resident ones. Returns (ids, weights, stats) where stats `[T, 3]`
+  holds per token: swapped slots, routing-mass overlap Σ min(w_true, w_chosen), and
   KL(w_true ‖ w_chosen) with the chosen mass smoothed by 1e-6.
   """
   k = cfg.num_experts_per_tok
@@ -79,10 +80,10 @@ def route_cache_aware(x, router, bias, cfg: Config, resident, keep: int, rank: i
   dense = lambda i, v: jnp.zeros((i.shape[0], e), F32).at[jnp.arange(i.shape[0])[:, None], i].add(v)
   p, q = dense(true, w_true), dense(ids, w)
   p, q = p / jnp.sum(p, -1, keepdims=True), q / jnp.sum(q, -1, keepdims=True)
-  swapped = jnp.sum(~jnp.any(ids[..., None] == true[:, None, :], axis=-1))
-  overlap = jnp.sum(jnp.minimum(p, q))
-  kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(p + 1e-30) - jnp.log(q + 1e-6)), 0.0))
-  return ids, w, jnp.stack([swapped.astype(F32), overlap, kl])
+  swapped = jnp.sum(~jnp.any(ids[..., None] == true[:, None, :], axis=-1), axis=-1)
+  overlap = jnp.sum(jnp.minimum(p, q), axis=-1)
+  kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(p + 1e-30) - jnp.log(q + 1e-6)), 0.0), axis=-1)
+  return ids, w, jnp.stack([swapped.astype(F32), overlap, kl], axis=-1)
 
 
 def expert_outputs(x, ids, experts: Experts):
@@ -115,32 +116,30 @@ def expert_outputs(x, ids, experts: Experts):
 combine = combine_in_order
 
 
-def moe(m: MoE, x, cfg: Config, kernel: str = "xla"):
-  """Routed experts plus the shared expert for `x` `[..., D]`.
+KERNELS = ("auto", "cpu", "xla", "pallas")
 
-  `m.experts` is either float `Experts` or a quantized `ExpertPool` holding every expert of the
-  layer in slot = expert id order. Quantized experts run per pair (`expert_terms`, the path the
-  offload engine shares) or, with `kernel="pallas"`, through the Pallas grouped MoE op, whose
-  combine follows the same rank order.
+
+def resolve_kernel(kernel: str) -> str:
+  """"auto": the numba CPU kernel on a CPU-only machine, the Pallas kernel on an accelerator."""
+  if kernel == "auto":
+    return "cpu" if jax.default_backend() == "cpu" else "pallas"
+  return kernel
+
+
+def pool_terms(x, pool: ExpertPool, slot_ids, active, kernel: str = "auto"):
+  """Unweighted terms `[T, K, D]` of quantized experts held in a pool (inside a jit).
+
+  `active` `[T, K]` bool: inactive pairs (padding, or experts served elsewhere) are 0. The CPU
+  kernel computes each distinct slot once over all its rows; every backend gives a (token,
+  rank) term that depends only on that token and that expert's weights.
   """
-  shape = x.shape
-  x = x.reshape(-1, shape[-1]).astype(F32)  # [T, D]
-  with jax.named_scope("route"):
-    ids, w = route(x, m.router, m.bias, cfg)
-  if isinstance(m.experts, ExpertPool) and kernel == "pallas":
-    with jax.named_scope("experts"):
-      out = grouped_moe(x, m.experts, ids, w, backend="pallas")
-  elif isinstance(m.experts, ExpertPool):
-    with jax.named_scope("experts"):
-      ys = expert_terms(x, m.experts, ids)
-    with jax.named_scope("combine"):
-      out = combine(ys, w)
-  else:
-    with jax.named_scope("experts"):
-      ys = expert_outputs(x, ids, m.experts)
-    with jax.named_scope("combine"):
-      out = combine(ys, w)
-  if m.shared is not None:
-    with jax.named_scope("shared_expert"):
-      out = out + swiglu(x, m.shared.gate_up, m.shared.down)
-  return out.reshape(shape)
+  kernel = resolve_kernel(kernel)
+  active = jnp.broadcast_to(active, slot_ids.shape)
+  if kernel == "cpu":
+    gu, dn = pool.gate_up, pool.down
+    return cpu.pool_terms_jax(x.astype(F32), gu.packed, gu.scales, dn.packed, dn.scales,
+                              slot_ids, active, bits=gu.bits, group_size=gu.group_size,
+                              hidden=pool.hidden, intermediate=pool.intermediate)
+  if kernel == "pallas":
+    return grouped_terms(x, pool, slot_ids, active)
+  return expert_terms(x, pool, slot_ids, active)

@@ -8,8 +8,9 @@ For main-model position i with final pre-norm hidden state h_i and the next toke
   logits_i = head(rms_norm(h'_i, head_norm))   predicting t_{i+2}
 
 `head` is the MTP layer's own `shared_head.head` when the checkpoint has one, else the main
-lm_head (or the embedding when tied). The same functions serve training (teacher forcing over a
-whole sequence) and speculative decoding (one cached step).
+lm_head (or the embedding when tied). The block itself runs through glmjax.model.mtp_forward,
+the one MTP step for training (teacher forcing over a whole sequence), speculative drafting and
+the offload engine.
 """
 
 from __future__ import annotations
@@ -44,28 +45,27 @@ def mtp_output_logits(w: Weights, m: MTP, x, cfg: Config):
 
 def mtp_logits(w: Weights, h, next_tokens, cfg: Config, positions=None, block: Callable | None = None,
                depth: int = 0):
-  """Teacher-forced MTP logits.
+  """Teacher-forced MTP logits (no cache).
 
   Args:
     w: the model weights (uses `w.mtp[depth]`, `w.embed`, and the main head when needed).
     h: `[B, S, D]` the main model's final pre-norm hidden states (`forward(...)[1]`).
     next_tokens: `[B, S]` int, t_{i+1} for each position i.
-    positions: `[S]` positions of the MTP sequence (default 0..S-1).
-    block: `block(layer, u, positions) -> h'`; default glmjax's `layer_forward` without cache.
+    positions: `[S]` positions of the MTP sequence (default 0..S-1); only with `block`.
+    block: `block(layer, u, positions) -> h'`, a training variant of the decoder block; by
+      default the MTP step is glmjax.model.mtp_forward (the one inference path).
 
   Returns:
     (logits `[B, S, V]` predicting t_{i+2}, the MTP block's output residual `[B, S, D]`).
   """
-  from glmjax.model import layer_forward
-
+  if block is None:
+    from glmjax.model import mtp_forward
+    logits, x, _ = mtp_forward(w, h, next_tokens, cfg, depth=depth)
+    return logits, x
   m = w.mtp[depth]
   if positions is None:
     positions = jnp.arange(h.shape[1], dtype=jnp.int32)
-  u = mtp_input(w, m, h, next_tokens, cfg)
-  if block is None:
-    x, _, _ = layer_forward(m.layer, u, positions, cfg)
-  else:
-    x = block(m.layer, u, positions)
+  x = block(m.layer, mtp_input(w, m, h, next_tokens, cfg), positions)
   return mtp_output_logits(w, m, x, cfg), x
 
 
@@ -73,19 +73,3 @@ def init_mtp_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) ->
   """An empty latent cache for the MTP block's own attention."""
   z = lambda n: jnp.zeros((batch, capacity, n), dtype)
   return LayerCache(latent=z(cfg.kv_lora_rank), k_rope=z(cfg.qk_rope_head_dim), index_k=None)
-
-
-def mtp_step(w: Weights, h, next_tokens, cfg: Config, cache: LayerCache, start, depth: int = 0,
-             absorbed: bool = True):
-  """Cached MTP step(s) for speculative decoding.
-
-  `h` `[B, S, D]` and `next_tokens` `[B, S]` for MTP positions start..start+S-1; the MTP block's
-  latent cache is written there. Returns (logits `[B, S, V]`, new cache).
-  """
-  from glmjax.model import layer_forward
-
-  m = w.mtp[depth]
-  positions = start + jnp.arange(h.shape[1], dtype=jnp.int32)
-  u = mtp_input(w, m, h, next_tokens, cfg)
-  x, cache, _ = layer_forward(m.layer, u, positions, cfg, cache, start, None, absorbed)
-  return mtp_output_logits(w, m, x, cfg), cache

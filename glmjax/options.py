@@ -23,7 +23,13 @@ class Options:
   Attributes:
     dtype: storage dtype of the dense weights ("float32", "bfloat16", "float16"); activations
       and accumulation are float32 regardless.
-    moe_kernel: "pallas", "xla" or "auto" (pallas on GPU/TPU, xla on CPU).
+    moe_kernel: quantized-expert kernel: "cpu" (numba, deterministic), "pallas", "xla", or
+      "auto" (cpu on a CPU-only machine, pallas on GPU/TPU).
+    expert_compute: where an offload store's host-cached and missed experts are computed:
+      "device" (uploaded and run by the device kernel; bitwise identical across budgets),
+      "host" (the CPU kernel where the bytes already are; only hidden states cross the bus) or
+      "auto" (per layer step, from measured costs; may differ by rounding from run to run).
+      On a CPU-only machine every mode runs the CPU kernel and all are bitwise identical.
     progress: show progress bars while loading.
     max_context: upper bound on prompt + generated tokens (default: the config's
       max_position_embeddings).
@@ -44,6 +50,7 @@ class Options:
 
   dtype: str = "float32"
   moe_kernel: str = "auto"
+  expert_compute: str = "device"
   progress: bool = True
   max_context: int | None = None
   device_cache_gb: float | None = None
@@ -61,8 +68,12 @@ class Options:
   def __post_init__(self):
     if self.dtype not in _DTYPES:
       raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-    if self.moe_kernel not in ("auto", "pallas", "xla"):
-      raise InputError(f"moe_kernel must be 'auto', 'pallas' or 'xla', got {self.moe_kernel!r}")
+    if self.moe_kernel not in ("auto", "cpu", "pallas", "xla"):
+      raise InputError(f"moe_kernel must be 'auto', 'cpu', 'pallas' or 'xla', got "
+                       f"{self.moe_kernel!r}")
+    if self.expert_compute not in ("auto", "device", "host"):
+      raise InputError(f"expert_compute must be 'auto', 'device' or 'host', got "
+                       f"{self.expert_compute!r}")
     if self.max_context is not None and self.max_context < 1:
       raise InputError(f"max_context must be positive, got {self.max_context}")
     if not isinstance(self.io_workers, int) or self.io_workers < 1:
@@ -92,9 +103,3 @@ class Options:
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
-
-  @property
-  def resolved_moe_kernel(self) -> str:
-    if self.moe_kernel != "auto":
-      return self.moe_kernel
-    return "xla" if jax.default_backend() == "cpu" else "pallas"

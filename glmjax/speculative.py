@@ -19,48 +19,27 @@ One round:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.attention import LayerCache
 from glmjax.config import Config
-from glmjax.model import KVCache, forward, layer_forward
-from glmjax.mtp import init_mtp_cache, mtp_input, mtp_output_logits
-from glmjax.weights import Weights
+from glmjax.model import KVCache, bucket, decode_fn, mtp_fn
+from glmjax.mtp import init_mtp_cache
 
 
-# --- the resident backend (jitted) -----------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed"),
-                   donate_argnames=("cache",))
-def main_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str, absorbed: bool):
-  """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, kernel=kernel)
-  return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
-def mtp_fn(w: Weights, h, next_tokens, cache: LayerCache, start, cfg: Config, kernel: str):
-  """MTP block at positions start..start+S-1: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
-  m = w.mtp[0]
-  positions = start + jnp.arange(h.shape[1], dtype=jnp.int32)
-  u = mtp_input(w, m, h, next_tokens, cfg)
-  x, cache, _ = layer_forward(m.layer, u, positions, cfg, cache, start, None,
-                              absorbed=h.shape[1] <= 4, kernel=kernel)
-  return mtp_output_logits(w, m, x, cfg), x, cache
-
+# --- backends: the resident jitted forward, or the offload engine ---------------------------
 
 class ResidentBackend:
   def __init__(self, model):
     self.w, self.cfg = model.weights, model.config
-    self.kernel = model.options.resolved_moe_kernel
+    self.kernel = model.options.moe_kernel
 
   def main(self, cache, tokens, absorbed):
-    return main_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed)
+    """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
+    return decode_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed)
 
   def mtp(self, h, next_tokens, cache, start):
     return mtp_fn(self.w, h, next_tokens, cache, jnp.asarray(start, jnp.int32), cfg=self.cfg,
@@ -170,10 +149,6 @@ def accept(logits, drafts, picker, rng: np.random.Generator, emit=lambda tok: Fa
 ABSORB_WINDOW = 8
 
 
-def _bucket(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
 # --- the loop ------------------------------------------------------------------------------
 
 def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, picker,
@@ -223,7 +198,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
         skip = len(hs) - ABSORB_WINDOW
         hs, ts, pending_at = hs[skip:], ts[skip:], pending_at + skip
       m = hs.shape[0]
-      width = min(_bucket(m), cap - pending_at)  # padded: fewer shapes to compile
+      width = min(bucket(m), cap - pending_at)  # padded: fewer shapes to compile
       hp = jnp.asarray(np.pad(hs, ((0, width - m), (0, 0)))[None])
       tp = jnp.asarray([ts + [0] * (width - m)], jnp.int32)
       mlog, mx, mcache = backend.mtp(hp, tp, mcache, pending_at)

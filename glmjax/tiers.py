@@ -6,6 +6,7 @@ Both are bookkeeping plus storage; neither does I/O. Keys are (layer, expert).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import jax
@@ -132,7 +133,9 @@ def should_repin(candidate_heat: float, incumbent_heat: float) -> bool:
   return candidate_heat > REPIN_RATIO * incumbent_heat + REPIN_MARGIN
 
 
-@jax.jit
+# The pool is donated: an install writes one expert's bytes in place instead of copying the
+# whole layer pool.
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _install(pool: ExpertPool, slot, expert: ExpertPool) -> ExpertPool:
   return jax.tree_util.tree_map(lambda p, e: p.at[slot].set(e[0]), pool, expert)
 

@@ -57,6 +57,15 @@ def _pow2_ceil(n: int) -> int:
     "interpret", "flavour", "config", "platform"))
 def _pallas_moe(x, pool: quant.ExpertPool, slot_ids, weights, *, interpret,
                 flavour, config: tuning.BlockConfig, platform):
+  terms = _pallas_terms(x, pool, slot_ids, interpret=interpret, flavour=flavour, config=config,
+                        platform=platform)
+  with jax.named_scope("combine"):
+    return reference.combine_in_order(terms, weights)
+
+
+def _pallas_terms(x, pool: quant.ExpertPool, slot_ids, *, interpret, flavour,
+                  config: tuning.BlockConfig, platform):
+  """Unweighted per-(row, rank) terms [R, K, D] from the two grouped Pallas matmuls."""
   r, d = x.shape
   i, g, bits = pool.intermediate, pool.gate_up.group_size, pool.gate_up.bits
   halves = 2 if bits == 4 else 1
@@ -91,15 +100,56 @@ def _pallas_moe(x, pool: quant.ExpertPool, slot_ids, weights, *, interpret,
     hs = _split_halves(h, kp_i, g, halves)  # [U, Rx, IG, W] each
     w, s = _weights_view(pool.down, 1)
     y = call(spec(1, d, kp_i, config.block_n_down), hs, w, s, uniq, n_unique)
-  with jax.named_scope("combine"):
-    terms = y[inv, jnp.arange(r)[:, None]]  # [R, K, D]
-    return reference.combine_in_order(terms, weights)
+  return y[inv, jnp.arange(r)[:, None]]  # [R, K, D] terms
 
 
 @jax.jit
 def _reference_jit(x, pool, slot_ids, weights):
   slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
   return reference.grouped_moe_reference(x, pool, slot_ids, weights)
+
+
+def _pallas_settings(x, pool, plat, interpret, flavour, config):
+  """Resolves (interpret, flavour, config) for the Pallas path and checks what it needs."""
+  if interpret is None:
+    interpret = plat == "cpu"
+  if not interpret and plat == "cpu":
+    raise ValueError("backend='pallas' on CPU needs interpret=True")
+  if flavour is None:
+    flavour = "pointer" if (plat == "gpu" and not interpret) else "prefetch"
+  if flavour not in _backend.FLAVOURS:
+    raise ValueError(
+        f"flavour: expected one of {tuple(_backend.FLAVOURS)}, got {flavour!r}")
+  g = pool.gate_up.group_size
+  if not interpret and (g & (g - 1) or g < 4):
+    # Triton tensors must have power-of-two sizes; groups are loaded whole.
+    raise ValueError(
+        f"pool: group_size must be a power of two >= 4 for compiled Pallas "
+        f"kernels, got {g}")
+  if not interpret and flavour == "pointer":
+    for name, q in (("gate_up", pool.gate_up), ("down", pool.down)):
+      if q.packed.size >= 2**31:
+        # Triton-Pallas addresses whole-array refs with int32 offsets.
+        raise ValueError(
+            f"pool.{name}: {q.packed.size} packed elements overflow the "
+            "int32 offsets of the GPU kernel; use a pool of fewer slots "
+            f"(< {2**31 // (q.packed.size // pool.num_slots)})")
+  if config is None:
+    config = tuning.lookup(x.shape[0], pool.hidden, pool.intermediate,
+                           pool.gate_up.bits, g)
+  return interpret, flavour, config
+
+
+def grouped_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
+  """Per-(row, rank) unweighted terms [R, K, D] through the Pallas kernels (traceable inside a
+  caller's jit). Pairs where ``active`` [R, K] is False are 0."""
+  _check_args(x, pool, slot_ids, jnp.zeros(slot_ids.shape))
+  plat = common.platform()
+  interpret, flavour, config = _pallas_settings(x, pool, plat, None, None, None)
+  slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
+  terms = _pallas_terms(x, pool, slot_ids, interpret=interpret, flavour=flavour, config=config,
+                        platform=plat)
+  return terms if active is None else jnp.where(active[..., None], terms, 0.0)
 
 
 def resolve_backend(backend: str, platform: str) -> str:
@@ -142,31 +192,6 @@ def grouped_moe(x, pool: quant.ExpertPool, slot_ids, weights, *,
   backend = resolve_backend(backend, plat)
   if backend == "xla":
     return _reference_jit(x, pool, slot_ids, weights)
-  if interpret is None:
-    interpret = plat == "cpu"
-  if not interpret and plat == "cpu":
-    raise ValueError("backend='pallas' on CPU needs interpret=True")
-  if flavour is None:
-    flavour = "pointer" if (plat == "gpu" and not interpret) else "prefetch"
-  if flavour not in _backend.FLAVOURS:
-    raise ValueError(
-        f"flavour: expected one of {tuple(_backend.FLAVOURS)}, got {flavour!r}")
-  g = pool.gate_up.group_size
-  if not interpret and (g & (g - 1) or g < 4):
-    # Triton tensors must have power-of-two sizes; groups are loaded whole.
-    raise ValueError(
-        f"pool: group_size must be a power of two >= 4 for compiled Pallas "
-        f"kernels, got {g}")
-  if not interpret and flavour == "pointer":
-    for name, q in (("gate_up", pool.gate_up), ("down", pool.down)):
-      if q.packed.size >= 2**31:
-        # Triton-Pallas addresses whole-array refs with int32 offsets.
-        raise ValueError(
-            f"pool.{name}: {q.packed.size} packed elements overflow the "
-            "int32 offsets of the GPU kernel; use a pool of fewer slots "
-            f"(< {2**31 // (q.packed.size // pool.num_slots)})")
-  if config is None:
-    config = tuning.lookup(x.shape[0], pool.hidden, pool.intermediate,
-                           pool.gate_up.bits, g)
+  interpret, flavour, config = _pallas_settings(x, pool, plat, interpret, flavour, config)
   return _pallas_moe(x, pool, slot_ids, weights, interpret=interpret,
                      flavour=flavour, config=config, platform=plat)

@@ -32,7 +32,8 @@ import glmjax  # noqa: E402
 from glmjax import corpus  # noqa: E402
 from glmjax.attention import attention  # noqa: E402
 from glmjax.layers import F32, rms_norm, swiglu  # noqa: E402
-from glmjax.moe import moe, route  # noqa: E402
+from glmjax.model import moe_block as moe  # noqa: E402
+from glmjax.moe import route  # noqa: E402
 from glmjax.weights import MoE  # noqa: E402
 
 FLAGS = flags.FLAGS

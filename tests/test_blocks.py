@@ -13,6 +13,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glmjax
 from glmjax import attention, layers, moe
+from glmjax.model import moe_block
 from hf_reference import make_hf, rel_err
 
 TOL = 1e-4
@@ -138,7 +139,7 @@ def test_moe_block(pair, tokens):
   x = _x(6, 1, tokens, model.config.hidden_size)
   with torch.no_grad():
     want = ref.model.layers[2].mlp(_t(x)).numpy()
-  got = moe.moe(model.weights.layers[2].mlp, jnp.asarray(x), model.config)
+  got = moe_block(model.weights.layers[2].mlp, jnp.asarray(x), model.config)
   assert rel_err(got, want) <= TOL
 
 

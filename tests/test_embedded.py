@@ -91,17 +91,17 @@ def test_shipped_size():
 
 
 def test_mtp_cached_steps_match_teacher_forced(model, tok):
-  from glmjax.mtp import init_mtp_cache, mtp_logits, mtp_step
+  from glmjax.model import mtp_fn
+  from glmjax.mtp import init_mtp_cache, mtp_logits
   cfg, w = model.config, model.weights
   toks = jnp.asarray([tok.encode(corpus.read("colorsys.py"))[:41]], jnp.int32)
   logits, h, _ = forward(w, toks[:, :-1], cfg)  # h[:, i] sees t_0..t_i
   want, _ = mtp_logits(w, h, toks[:, 1:], cfg)  # [1, 40, V], predicting t_{i+2}
-  step = jax.jit(mtp_step, static_argnames=("cfg", "absorbed"))
   cache = init_mtp_cache(cfg, 1, 64)
-  first, cache = step(w, h[:, :32], toks[:, 1:33], cfg, cache, jnp.int32(0), absorbed=False)
+  first, _, cache = mtp_fn(w, h[:, :32], toks[:, 1:33], cache, jnp.int32(0), cfg=cfg)
   outs = [first]
   for i in range(32, 40):
-    out, cache = step(w, h[:, i:i + 1], toks[:, i + 1:i + 2], cfg, cache, jnp.int32(i))
+    out, _, cache = mtp_fn(w, h[:, i:i + 1], toks[:, i + 1:i + 2], cache, jnp.int32(i), cfg=cfg)
     outs.append(out)
   got = jnp.concatenate(outs, axis=1)
   assert rel_err(np.asarray(got), np.asarray(want)) <= 1e-4

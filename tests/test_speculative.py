@@ -208,7 +208,8 @@ def test_pilot_recall_matches_independent_routing(random_store):
   import jax
   from glmjax import attention as att
   from glmjax.layers import rms_norm, swiglu
-  from glmjax.moe import moe as moe_fn, route
+  from glmjax.model import moe_block as moe_fn
+  from glmjax.moe import route
   from glmjax.store import ExpertStore
   from glmjax.weights import MoE
   model = glmjax.load(random_store, progress=False, device_cache_gb=0,

@@ -1,0 +1,122 @@
+"""Grouped expert compute in the engine: placement, padding, in-place installs, promotion."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glmjax
+from glmjax import tiers
+from glmjax.expert_io import DEMAND, PILOT, ExpertReader
+from glmjax.model import _valid
+
+GB = 1 << 30
+PROMPT17 = [5 + (7 * i) % 80 for i in range(17)]
+
+
+def chunk_bytes(path):
+  import json, os
+  m = json.load(open(os.path.join(path, "manifest.json")))
+  return m["experts"]["main"]["layout"]["nbytes"]
+
+
+def test_host_and_device_placement_bitwise_equal_on_cpu(embedded_store):
+  """On a CPU-only machine every placement runs the same CPU kernel."""
+  chunk = chunk_bytes(embedded_store)
+  kw = dict(progress=False, device_cache_gb=4 * 4 * chunk / GB, host_cache_gb=16 * chunk / GB,
+            prefetch=False)
+  toks = [PROMPT17]
+  results = {}
+  for mode in ("device", "host", "auto"):
+    with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
+      m.score(toks)  # fills the free pin slots
+      before = m.engine.telemetry()
+      logits = m.score(toks)
+      after = m.engine.telemetry()
+      d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+      assert d["experts_on_device"] + d["experts_on_host"] == d["experts_used"] > 0
+      assert d["experts_on_device"] >= d["expert_pin_hits"] > 0
+      assert d.get("h2d_bytes", 0) == 0  # the CPU is the device: nothing crosses a bus
+      results[mode] = (logits, d)
+  np.testing.assert_array_equal(results["host"][0], results["device"][0])
+  np.testing.assert_array_equal(results["auto"][0], results["device"][0])
+  # device mode counts host-held experts as run on the device; host mode on the host.
+  assert results["device"][1]["experts_on_host"] == 0
+  assert results["host"][1]["experts_on_host"] > 0
+
+
+def test_padding_never_routes(embedded_store):
+  """A 17-token prompt (prefilled padded to 32) reads and counts exactly the experts of its
+  17 real tokens scored alone (no padding)."""
+  kw = dict(progress=False, device_cache_gb=0, host_cache_gb=0, prefetch=False)
+  with glmjax.load(embedded_store, **kw) as m:
+    r = m.generate(PROMPT17, 1, stop_ids=[])  # one token: the prefill alone
+    heat_gen = dict(m.engine.heat.h)
+  with glmjax.load(embedded_store, **kw) as m:
+    m.engine.heat.h.clear()
+    before = m.engine.telemetry()
+    m.score([PROMPT17])
+    after = m.engine.telemetry()
+    heat_score = dict(m.engine.heat.h)
+  for key in ("experts_used", "expert_misses", "expert_bytes_read"):
+    assert r.stats[key] == after[key] - before.get(key, 0), key
+  assert set(heat_gen) == set(heat_score)  # usage statistics see the real tokens only
+
+
+def test_expert_terms_do_not_depend_on_the_batch(embedded_store):
+  """A sequence's expert terms are bitwise equal scored alone or beside another sequence."""
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0, host_cache_gb=0,
+                   prefetch=False) as m:
+    eng = m.engine
+    layer = eng.moe_layers[0]
+    lw = eng.dense.layers[layer]
+    rng = np.random.default_rng(0)
+    d, e, k = m.config.hidden_size, m.config.n_routed_experts, m.config.num_experts_per_tok
+    a = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((9, d)), jnp.float32)
+    ids_a = jnp.asarray(rng.permuted(np.tile(np.arange(e), (5, 1)), axis=1)[:, :k], jnp.int32)
+    ids_b = jnp.asarray(rng.permuted(np.tile(np.arange(e), (9, 1)), axis=1)[:, :k], jnp.int32)
+    alone = eng._tiered(layer, lw.mlp, None, a, ids_a, _valid((1, 5), None))
+    both = eng._tiered(layer, lw.mlp, None, jnp.concatenate([a, b]),
+                       jnp.concatenate([ids_a, ids_b]), _valid((1, 14), None))
+    np.testing.assert_array_equal(np.asarray(both)[:5], np.asarray(alone))
+    assert np.abs(np.asarray(alone)).min(axis=-1).max() > 0  # every (token, rank) computed
+
+
+def test_install_writes_in_place(embedded_store):
+  """Installing one expert donates the pool: the same buffer, no copy of the layer pool."""
+  from glmjax.store import ExpertStore
+  store = ExpertStore(embedded_store)
+  layer = store.layers[0]
+  layout = store.layout(layer)
+  dev = tiers.DevicePool(layer, 4, tiers.empty_pool(layout, 4))
+  before = dev.pool.gate_up.packed.unsafe_buffer_pointer()
+  w = store.read(layer, 3)
+  dev.install(3, w, 2)
+  assert dev.pool.gate_up.packed.unsafe_buffer_pointer() == before
+  np.testing.assert_array_equal(np.asarray(dev.pool.gate_up.packed[2]), w.gate_up.packed)
+  assert dev.slot_of == {3: 2}
+
+
+def test_promoted_hint_is_read_before_queued_hints():
+  """With the only worker busy, hints h1..h3 queue; a demand for h3 promotes it ahead."""
+  release, order = threading.Event(), []
+
+  def read(layer, expert):
+    if expert == 0:
+      release.wait(10)
+    order.append(expert)
+    return np.zeros(1, np.uint8)
+
+  reader = ExpertReader(read, workers=1, timeout_s=10)
+  try:
+    blocker = reader.submit(0, 0, DEMAND)
+    hints = {e: reader.submit(0, e, PILOT) for e in (1, 2, 3)}
+    assert reader.promote(hints[3]) and not reader.promote(blocker)
+    release.set()
+    for fut in (blocker, *hints.values()):
+      reader.wait(fut, 0, 0)
+  finally:
+    reader.close()
+  assert order == [0, 3, 1, 2]
