@@ -25,6 +25,7 @@ setup(
         "tqdm>=4.66",
         "psutil>=5.9",
         "optax>=0.2",
+        "numba>=0.60",
     ],
     extras_require={
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a

@@ -59,6 +59,9 @@ class Model:
     self.options = options
     self.path = path
     self.engine = engine
+    # Resident models run one jit per step; a store whose experts all fit is one of them (its
+    # engine stays for telemetry). Otherwise the engine drives the forward layer by layer.
+    self.offloaded = engine is not None and not engine.all_resident
     self._compiled: dict = {}
     self._closed = False
     self.tokenizer = _tokenizer(path)
@@ -93,7 +96,7 @@ class Model:
 
   def _steps(self, cache: KVCache, toks):
     """(prefill, decode) callables for this model: (cache, tokens[, n_valid]) → (logits, cache)."""
-    if self.engine is not None:
+    if self.offloaded:
       eng = self.engine
 
       def prefill(cache, toks, n_valid):
@@ -127,7 +130,7 @@ class Model:
     arr = self._tokens(tokens, 2)
     if arr.shape[1] > self._max_context():
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
-    if self.engine is not None:
+    if self.offloaded:
       return np.asarray(self.engine.forward(arr)[0], np.float32)
     return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
                                kernel=self.options.moe_kernel), np.float32)
@@ -264,7 +267,7 @@ class Model:
   def _speculate(self, cache: KVCache, toks, n: int, req: "_Request", draft, on_round) -> dict:
     """MTP speculative decoding (glmjax.speculative); the stats of `_decode_loop`."""
     from glmjax import speculative
-    backend = (speculative.EngineBackend(self) if self.engine is not None
+    backend = (speculative.EngineBackend(self) if self.offloaded
                else speculative.ResidentBackend(self))
     t0 = time.perf_counter()
     spec = speculative.run(backend, self.config, cache, toks, n, req.max_new_tokens, req.emit,
@@ -479,4 +482,5 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
                          prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
                          cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
                                       else None))
-  return Model(cfg, dense, opts, path, engine)
+  weights = engine.resident_weights() if engine.all_resident else dense
+  return Model(cfg, weights, opts, path, engine)

@@ -40,7 +40,7 @@ import numpy as np
 from glmjax.config import Config
 from glmjax.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
 from glmjax.layers import F32, rms_norm
-from glmjax.model import JITTED, KVCache, bucket, forward, mtp_forward
+from glmjax.model import JITTED, KVCache, bucket, forward, mtp_forward, valid_rows
 from glmjax.moe import pool_terms, resolve_kernel
 from glmjax.quant import ExpertPool, ExpertWeights
 from glmjax.store import ExpertStore
@@ -103,7 +103,7 @@ class _Step:
   @classmethod
   def of(cls, layer, flat, ids, valid) -> "_Step":
     ids_np = np.asarray(ids)
-    rows = np.flatnonzero(np.asarray(valid))
+    rows = np.flatnonzero(valid)
     t, k = np.divmod(np.arange(rows.size * ids_np.shape[1]), ids_np.shape[1])
     t = rows[t]
     chosen = ids_np[t, k]
@@ -196,6 +196,18 @@ class OffloadEngine:
         dev.install(e, self.layout.unpack(blob), dev.free_slot())
         bar.update()
 
+  def resident_weights(self) -> Weights:
+    """With every expert resident: the dense weights with each MoE layer's pool as its experts,
+    for the one-jit resident path (glmjax.model's entry points)."""
+    def fill(i, lw):
+      if not isinstance(lw.mlp, MoE):
+        return lw
+      return dataclasses.replace(lw, mlp=dataclasses.replace(lw.mlp, experts=self.device[i].pool))
+    layers = [fill(i, lw) for i, lw in enumerate(self.dense.layers)]
+    mtp = [dataclasses.replace(m, layer=fill(self.cfg.num_hidden_layers + j, m.layer))
+           for j, m in enumerate(self.dense.mtp)]
+    return dataclasses.replace(self.dense, layers=layers, mtp=mtp)
+
   def save(self) -> None:
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
     self.heat.save(self.usage_path)
@@ -280,14 +292,16 @@ class OffloadEngine:
     return nxt if nxt < len(layers) and isinstance(layers[nxt].mlp, MoE) else None
 
   # -- the expert providers -----------------------------------------------------------------
-  def _resident_terms(self, layer, m, x, flat, ids, valid, route_stats=None):
+  def _resident_terms(self, layer, m, x, flat, ids, n_valid, route_stats=None):
     """All experts pinned: one jitted kernel call, no host round trip."""
+    valid = valid_rows(x.shape, n_valid)
     return pool_terms_step(flat, self.device[layer].pool, ids, valid[:, None], kernel=self.kernel)
 
-  def _tiered(self, layer, m, x, flat, ids, valid, route_stats=None):
+  def _tiered(self, layer, m, x, flat, ids, n_valid, route_stats=None):
     """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers."""
+    valid = valid_rows(x.shape, n_valid)  # [T] bool: real tokens
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
-      real = np.asarray(valid)
+      real = valid
       swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[real].sum(axis=0))
       self.stats["route_swaps"] += swaps
       self.stats["route_overlap_sum"] += overlap
@@ -300,7 +314,7 @@ class OffloadEngine:
       pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
     step = _Step.of(layer, flat, ids, valid)  # the host round trip
     if pilot is not None:
-      pilot = np.asarray(pilot)[np.flatnonzero(np.asarray(valid))]
+      pilot = np.asarray(pilot)[valid]
     union = step.union
     self.heat.use(layer, union)
     self.stats["experts_used"] += len(union)
@@ -348,6 +362,9 @@ class OffloadEngine:
     layout = self.store.layout(step.layer)
     host_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
     on_device = self._place(len(cached) + len(futures))
+    # A CPU-only machine has no bus to cross: "device" placement computes where the bytes are,
+    # with the same kernel (it is still counted as device placement).
+    upload = on_device and not self.on_cpu
     uploads: dict[int, np.ndarray] = {}
     device_terms = None
     if pinned and not self.on_cpu:  # the device kernel over the pin pool, queued first
@@ -368,7 +385,7 @@ class OffloadEngine:
       if e not in cached:
         arrived[e] = blob
         self.stats["expert_bytes_read"] += blob.nbytes
-      if on_device:
+      if upload:
         uploads[e] = blob
       else:
         t0 = time.perf_counter()
@@ -425,7 +442,7 @@ class OffloadEngine:
     t0 = time.perf_counter()
     pool = as_device_pool(weights)
     nbytes = sum(blobs[e].nbytes for e in experts)
-    self.stats["h2d_bytes"] += 0 if self.on_cpu else nbytes
+    self.stats["h2d_bytes"] += nbytes
     self._rate("h2d", nbytes, time.perf_counter() - t0)
     active, terms = self._device_terms(step, pool, {e: s for s, e in enumerate(experts)}, experts)
     if prior is not None:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glmjax.attention import LayerCache, attention
 from glmjax.config import Config
@@ -51,16 +52,17 @@ def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVC
                  length=jnp.zeros((), jnp.int32))
 
 
-def attn_route(lw, x, positions, cfg: Config, cache=None, start=None, selection=None,
-               absorbed: bool = False, resident=None, cache_route=None):
-  """A layer up to its experts: attention (+ residual) and the MLP norm; MoE layers route,
-  dense layers finish their MLP.
+def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
+               resident=None, cache_route=None):
+  """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
+  (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP.
 
   Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
   flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
   `resident` `[E]` mask, MoE layers route cache-aware (lossy) and `route_stats` holds that
   routing's [swaps, overlap, kl] sums (else None).
   """
+  positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)  # [S]
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
@@ -125,12 +127,13 @@ JITTED = Steps(
 class ExpertProvider(Protocol):
   """Supplies a MoE layer's routed-expert terms: where the experts live is its business."""
 
-  def __call__(self, layer: int, m: MoE, x, flat, ids, valid, route_stats):
-    """Unweighted terms `[T, K, D]` for `flat` `[T, D]` routed to `ids` `[T, K]`.
+  def __call__(self, layer: int, m: MoE, x, flat, ids, n_valid, route_stats):
+    """Unweighted terms `[T, K, D]` for `flat` `[T = B·S, D]` routed to `ids` `[T, K]`.
 
     `x` is the post-attention residual `[B, S, D]` (the engine predicts the next layer's
-    experts from it); `valid` `[T]` bool marks real tokens (padding never selects experts);
-    `route_stats` is cache-aware routing's [swaps, overlap, kl] (None when routing is exact).
+    experts from it); positions at or past `n_valid` in each sequence are padding, which never
+    selects experts (`valid_rows`); `route_stats` is cache-aware routing's per-token
+    [swaps, overlap, kl] (None when routing is exact).
     """
 
 
@@ -138,9 +141,9 @@ def resident_experts(kernel: str = "auto") -> ExpertProvider:
   """The provider for weights held in the pytree: float `Experts` (HF checkpoints) or a layer's
   quantized `ExpertPool` in slot = expert id order (a store that fits), computed inside the
   caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform)."""
-  def provide(layer, m, x, flat, ids, valid, route_stats=None):
+  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
     if isinstance(m.experts, ExpertPool):
-      return pool_terms(flat, m.experts, ids, valid[:, None], kernel)
+      return pool_terms(flat, m.experts, ids, valid_rows(x.shape, n_valid, jnp)[:, None], kernel)
     return expert_outputs(flat, ids, m.experts)
   return provide
 
@@ -150,30 +153,30 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   the resident provider, combine; the same pieces as `forward`."""
   flat = x.reshape(-1, x.shape[-1]).astype(F32)  # [T, D]
   ids, w = route(flat, m.router, m.bias, cfg)
-  ys = resident_experts(kernel)(0, m, x, flat, ids, jnp.ones(flat.shape[:1], bool), None)
+  ys = resident_experts(kernel)(0, m, flat[None], flat, ids, None, None)
   return moe_finish(m, jnp.zeros(x.shape, F32), flat, ys, w)
 
 
-def _layer(i: int, lw, x, positions, valid, cfg: Config, cache, start, selection, absorbed,
+def _layer(i: int, lw, x, start, n_valid, cfg: Config, cache, selection, absorbed,
            experts: ExpertProvider, steps: Steps, route_args):
   """One decoder layer through `steps`, its routed experts from `experts`."""
   resident, cache_route = route_args(i) if route_args is not None else (None, None)
   x, flat, ids, w, cache, selection, stats = steps.attn_route(
-      lw, x, positions, cfg=cfg, cache=cache, start=start, selection=selection,
-      absorbed=absorbed, resident=resident, cache_route=cache_route)
+      lw, x, start, cfg=cfg, cache=cache, selection=selection, absorbed=absorbed,
+      resident=resident, cache_route=cache_route)
   if ids is not None:
     with jax.named_scope("experts"):
-      ys = experts(i, lw.mlp, x, flat, ids, valid, stats)
+      ys = experts(i, lw.mlp, x, flat, ids, n_valid, stats)
     x = steps.finish(lw.mlp, x, flat, ys, w)
   return x, cache, selection
 
 
-def _valid(shape, n_valid):
-  """`[B*S]` bool: position < n_valid (all true without padding)."""
-  b, s = shape
+def valid_rows(shape, n_valid, xp=np):
+  """`[B·S]` bool for a `[B, S, ...]` batch: position < n_valid (all true without padding)."""
+  b, s = shape[:2]
   if n_valid is None:
-    return jnp.ones((b * s,), bool)
-  return jnp.broadcast_to(jnp.arange(s) < n_valid, (b, s)).reshape(-1)
+    return xp.ones((b * s,), bool)
+  return xp.broadcast_to(xp.arange(s) < n_valid, (b, s)).reshape(-1)
 
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
@@ -187,15 +190,13 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   past `n_valid` are padding: they never select experts.
   """
   experts = experts or resident_experts()
-  start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-  positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [S]
-  valid = _valid(tokens.shape, n_valid)
+  start = 0 if cache is None else cache.length
   x = steps.embed(w, tokens)  # [B, S, D]
   new_layers, selection = [], None
   for i, lw in enumerate(w.layers):
     lc = None if cache is None else cache.layers[i]
-    x, lc, selection = _layer(i, lw, x, positions, valid, cfg, lc, start, selection, absorbed,
-                              experts, steps, route_args)
+    x, lc, selection = _layer(i, lw, x, start, n_valid, cfg, lc, selection, absorbed, experts,
+                              steps, route_args)
     new_layers.append(lc)
   new_cache = None if cache is None else KVCache(new_layers, cache.length)
   return steps.logits(w, x, cfg=cfg), x, new_cache
@@ -213,12 +214,9 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache=None, start=None,
   """
   experts = experts or resident_experts()
   m = w.mtp[depth]
-  base = jnp.zeros((), jnp.int32) if start is None else start
-  positions = base + jnp.arange(h.shape[1], dtype=jnp.int32)
   u = steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
-  x, cache, _ = _layer(cfg.num_hidden_layers + depth, m.layer, u, positions,
-                       _valid(next_tokens.shape, n_valid), cfg, cache, start, None, absorbed,
-                       experts, steps, None)
+  x, cache, _ = _layer(cfg.num_hidden_layers + depth, m.layer, u, 0 if start is None else start,
+                       n_valid, cfg, cache, None, absorbed, experts, steps, None)
   return steps.mtp_logits(w, m, x, cfg=cfg), x, cache
 
 

@@ -16,7 +16,7 @@ from glmjax.config import Config
 from glmjax.layers import F32, linear, swiglu
 from glmjax.quant import ExpertPool
 from glmjax.weights import Experts
-from pallas_kernels import cpu
+from pallas_kernels import cpu_ffi
 from pallas_kernels.ops import grouped_terms
 from pallas_kernels.reference import combine_in_order, expert_terms
 
@@ -137,9 +137,9 @@ def pool_terms(x, pool: ExpertPool, slot_ids, active, kernel: str = "auto"):
   active = jnp.broadcast_to(active, slot_ids.shape)
   if kernel == "cpu":
     gu, dn = pool.gate_up, pool.down
-    return cpu.pool_terms_jax(x.astype(F32), gu.packed, gu.scales, dn.packed, dn.scales,
-                              slot_ids, active, bits=gu.bits, group_size=gu.group_size,
-                              hidden=pool.hidden, intermediate=pool.intermediate)
+    return cpu_ffi.pool_terms_xla(x.astype(F32), gu.packed, gu.scales, dn.packed, dn.scales,
+                                  slot_ids, active, bits=gu.bits, group_size=gu.group_size,
+                                  hidden=pool.hidden, intermediate=pool.intermediate)
   if kernel == "pallas":
     return grouped_terms(x, pool, slot_ids, active)
   return expert_terms(x, pool, slot_ids, active)

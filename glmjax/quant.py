@@ -51,6 +51,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+# The XLA kernels' unpacking is the one definition of the nibble layout below.
+from pallas_kernels.reference import dequantize, unpack_int4  # noqa: F401
+
 _QMAX = {4: 7, 8: 127}
 _QMIN = {4: -8, 8: -127}
 
@@ -213,22 +216,6 @@ def pack_int4(q: np.ndarray, group_size: int) -> np.ndarray:
   return packed.reshape(*q.shape[:-1], q.shape[-1] // 2)
 
 
-def unpack_int4(packed, group_size: int):
-  """Inverse of ``pack_int4``: uint8 ``[..., Kp/2]`` -> int8 ``[..., Kp]`` (jittable)."""
-  _check_bits_group(4, group_size)
-  half = group_size // 2
-  if packed.shape[-1] % half:
-    raise ValueError(
-        f"packed: last dim {packed.shape[-1]} is not a multiple of "
-        f"group_size/2 = {half}")
-  p = jnp.asarray(packed, dtype=jnp.uint8)
-  p = p.reshape(*p.shape[:-1], p.shape[-1] // half, 1, half)
-  lo = (p & 0xF).astype(jnp.int8) - 8
-  hi = (p >> 4).astype(jnp.int8) - 8
-  q = jnp.concatenate([lo, hi], axis=-2)  # [..., Kp/G, 2, G/2]
-  return q.reshape(*q.shape[:-3], q.shape[-3] * group_size)
-
-
 def quantize(w, bits: int = 4, group_size: int = 64) -> QArray:
   """Group-wise symmetric quantization of ``w [..., O, K]`` (numpy, host side).
 
@@ -259,17 +246,6 @@ def quantize(w, bits: int = 4, group_size: int = 64) -> QArray:
   packed = pack_int4(q, group_size) if bits == 4 else q
   return QArray(packed=packed, scales=scale[..., 0], bits=bits,
                 group_size=group_size, in_features=k)
-
-
-def dequantize(q: QArray, dtype=jnp.float32):
-  """Returns the logical matrix ``[..., O, K]`` as a jnp array (jittable)."""
-  g = q.group_size
-  ints = (unpack_int4(q.packed, g) if q.bits == 4
-          else jnp.asarray(q.packed))  # [..., O, Kp]
-  ints = ints.reshape(*ints.shape[:-1], ints.shape[-1] // g, g)
-  scales = jnp.asarray(q.scales).astype(jnp.float32)[..., None]
-  w = (ints.astype(jnp.float32) * scales).reshape(*ints.shape[:-2], -1)
-  return w[..., :q.in_features].astype(dtype)
 
 
 def qarray_shapes(out_features: int, in_features: int, bits: int = 4,

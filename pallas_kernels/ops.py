@@ -7,14 +7,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from glmjax import quant
 from pallas_kernels import backend as _backend
 from pallas_kernels import common, reference, tuning
 
 _BACKENDS = ("auto", "pallas", "xla")
 
 
-def _check_args(x, pool: quant.ExpertPool, slot_ids, weights) -> None:
+def _check_args(x, pool, slot_ids, weights) -> None:
   pool.check()
   if x.ndim != 2 or x.shape[1] != pool.hidden:
     raise ValueError(
@@ -41,7 +40,7 @@ def _split_halves(a, k_padded: int, group: int, halves: int):
   return tuple(a[..., h, :] for h in range(halves))
 
 
-def _weights_view(q: quant.QArray, parts: int):
+def _weights_view(q, parts: int):
   """QArray [S, parts*N, Kp(/2)] -> packed [S, P, N, KG, W], scales [S, P, N, KG]."""
   s, rows = q.packed.shape[:2]
   kg = q.padded_in_features // q.group_size
@@ -55,7 +54,7 @@ def _pow2_ceil(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "flavour", "config", "platform"))
-def _pallas_moe(x, pool: quant.ExpertPool, slot_ids, weights, *, interpret,
+def _pallas_moe(x, pool, slot_ids, weights, *, interpret,
                 flavour, config: tuning.BlockConfig, platform):
   terms = _pallas_terms(x, pool, slot_ids, interpret=interpret, flavour=flavour, config=config,
                         platform=platform)
@@ -63,7 +62,7 @@ def _pallas_moe(x, pool: quant.ExpertPool, slot_ids, weights, *, interpret,
     return reference.combine_in_order(terms, weights)
 
 
-def _pallas_terms(x, pool: quant.ExpertPool, slot_ids, *, interpret, flavour,
+def _pallas_terms(x, pool, slot_ids, *, interpret, flavour,
                   config: tuning.BlockConfig, platform):
   """Unweighted per-(row, rank) terms [R, K, D] from the two grouped Pallas matmuls."""
   r, d = x.shape
@@ -140,7 +139,7 @@ def _pallas_settings(x, pool, plat, interpret, flavour, config):
   return interpret, flavour, config
 
 
-def grouped_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
+def grouped_terms(x, pool, slot_ids, active=None):
   """Per-(row, rank) unweighted terms [R, K, D] through the Pallas kernels (traceable inside a
   caller's jit). Pairs where ``active`` [R, K] is False are 0."""
   _check_args(x, pool, slot_ids, jnp.zeros(slot_ids.shape))
@@ -159,7 +158,7 @@ def resolve_backend(backend: str, platform: str) -> str:
   return backend
 
 
-def grouped_moe(x, pool: quant.ExpertPool, slot_ids, weights, *,
+def grouped_moe(x, pool, slot_ids, weights, *,
                 backend: str = "auto", interpret: bool | None = None,
                 flavour: str | None = None,
                 config: tuning.BlockConfig | None = None):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from glmjax import quant
+import dataclasses
 
 
 def combine_in_order(terms, weights):
@@ -23,12 +23,36 @@ def combine_in_order(terms, weights):
   return out
 
 
-def take_experts(q: quant.QArray, ids) -> quant.QArray:
-  """Gathers experts ``ids`` (any int shape) from a slot-stacked QArray."""
-  return quant.QArray(
-      packed=jnp.take(q.packed, ids, axis=0, mode="clip"),
-      scales=jnp.take(q.scales, ids, axis=0, mode="clip"),
-      bits=q.bits, group_size=q.group_size, in_features=q.in_features)
+def unpack_int4(packed, group_size: int):
+  """uint8 ``[..., Kp/2]`` -> int8 ``[..., Kp]``: in each group of G features byte j holds
+  q[j] + 8 in its low nibble and q[j + G/2] + 8 in its high nibble (jittable)."""
+  half = group_size // 2
+  if group_size <= 0 or group_size % 2 or packed.shape[-1] % half:
+    raise ValueError(f"packed: last dim {packed.shape[-1]} is not a multiple of group_size/2 "
+                     f"(group_size {group_size})")
+  p = jnp.asarray(packed, dtype=jnp.uint8)
+  p = p.reshape(*p.shape[:-1], p.shape[-1] // half, 1, half)
+  lo = (p & 0xF).astype(jnp.int8) - 8
+  hi = (p >> 4).astype(jnp.int8) - 8
+  q = jnp.concatenate([lo, hi], axis=-2)  # [..., Kp/G, 2, G/2]
+  return q.reshape(*q.shape[:-3], q.shape[-3] * group_size)
+
+
+def dequantize(q, dtype=jnp.float32):
+  """The logical matrix ``[..., O, K]`` of a group-wise quantized matrix ``q`` (any object with
+  packed, scales, bits, group_size, in_features; glmjax's QArray), as a jnp array."""
+  g = q.group_size
+  ints = unpack_int4(q.packed, g) if q.bits == 4 else jnp.asarray(q.packed)  # [..., O, Kp]
+  ints = ints.reshape(*ints.shape[:-1], ints.shape[-1] // g, g)
+  scales = jnp.asarray(q.scales).astype(jnp.float32)[..., None]
+  w = (ints.astype(jnp.float32) * scales).reshape(*ints.shape[:-2], -1)
+  return w[..., :q.in_features].astype(dtype)
+
+
+def take_experts(q, ids):
+  """Gathers experts ``ids`` (any int shape) from a slot-stacked quantized matrix."""
+  return dataclasses.replace(q, packed=jnp.take(q.packed, ids, axis=0, mode="clip"),
+                             scales=jnp.take(q.scales, ids, axis=0, mode="clip"))
 
 
 def dedupe_slots(slot_ids, bound: int | None = None):
@@ -60,7 +84,7 @@ def dedupe_slots(slot_ids, bound: int | None = None):
 PAIR_CHUNK = 8
 
 
-def expert_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
+def expert_terms(x, pool, slot_ids, active=None):
   """Per (row, rank) expert outputs ``down_e(silu(gate_e x_r) * up_e x_r)``.
 
   x [R, D], slot_ids [R, K] -> [R, K, D] f32. Only selected experts are gathered and
@@ -78,10 +102,10 @@ def expert_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
 
   def chunk(args):
     xc, sc = args  # [C, D], [C]
-    gu = quant.dequantize(take_experts(pool.gate_up, sc))  # [C, 2I, D]
+    gu = dequantize(take_experts(pool.gate_up, sc))  # [C, 2I, D]
     h = jnp.einsum("cd,cfd->cf", xc, gu, precision=hp)
     a = jax.nn.silu(h[:, :inter]) * h[:, inter:]  # [C, I]
-    dn = quant.dequantize(take_experts(pool.down, sc))  # [C, D, I]
+    dn = dequantize(take_experts(pool.down, sc))  # [C, D, I]
     return jnp.einsum("cf,cdf->cd", a, dn, precision=hp)
 
   with jax.named_scope("per_pair"):
@@ -91,7 +115,7 @@ def expert_terms(x, pool: quant.ExpertPool, slot_ids, active=None):
   return ys
 
 
-def grouped_moe_reference(x, pool: quant.ExpertPool, slot_ids, weights):
+def grouped_moe_reference(x, pool, slot_ids, weights):
   """XLA grouped MoE with the same contract as ``pallas_kernels.grouped_moe``."""
   with jax.named_scope("moe_reference"):
     terms = expert_terms(x, pool, slot_ids)

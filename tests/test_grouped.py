@@ -9,7 +9,6 @@ import pytest
 import glmjax
 from glmjax import tiers
 from glmjax.expert_io import DEMAND, PILOT, ExpertReader
-from glmjax.model import _valid
 
 GB = 1 << 30
 PROMPT17 = [5 + (7 * i) % 80 for i in range(17)]
@@ -77,9 +76,9 @@ def test_expert_terms_do_not_depend_on_the_batch(embedded_store):
     b = jnp.asarray(rng.standard_normal((9, d)), jnp.float32)
     ids_a = jnp.asarray(rng.permuted(np.tile(np.arange(e), (5, 1)), axis=1)[:, :k], jnp.int32)
     ids_b = jnp.asarray(rng.permuted(np.tile(np.arange(e), (9, 1)), axis=1)[:, :k], jnp.int32)
-    alone = eng._tiered(layer, lw.mlp, None, a, ids_a, _valid((1, 5), None))
-    both = eng._tiered(layer, lw.mlp, None, jnp.concatenate([a, b]),
-                       jnp.concatenate([ids_a, ids_b]), _valid((1, 14), None))
+    alone = eng._tiered(layer, lw.mlp, a[None], a, ids_a, None)
+    ab = jnp.concatenate([a, b])
+    both = eng._tiered(layer, lw.mlp, ab[None], ab, jnp.concatenate([ids_a, ids_b]), None)
     np.testing.assert_array_equal(np.asarray(both)[:5], np.asarray(alone))
     assert np.abs(np.asarray(alone)).min(axis=-1).max() > 0  # every (token, rank) computed
 
@@ -120,3 +119,28 @@ def test_promoted_hint_is_read_before_queued_hints():
   finally:
     reader.close()
   assert order == [0, 3, 1, 2]
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (4, 20)])
+def test_xla_custom_call_is_bitwise_the_cpu_kernel(bits, group):
+  """The in-jit custom call (zero-copy operands) gives pool_terms' bits, inactive pairs 0."""
+  import jax
+  from glmjax import quant
+  from pallas_kernels import cpu, cpu_ffi
+  rng = np.random.default_rng(bits + group)
+  d, inter, s, t, k = 100, 72, 5, 7, 3
+  experts = [quant.quantize_expert(rng.standard_normal((inter, d)), rng.standard_normal((inter, d)),
+                                   rng.standard_normal((d, inter)), bits, group) for _ in range(s)]
+  pool = quant.stack_experts(experts)
+  gu, dn = pool.gate_up, pool.down
+  x = rng.standard_normal((t, d)).astype(np.float32)
+  ids = rng.integers(0, s, (t, k)).astype(np.int32)
+  active = rng.random((t, k)) < 0.6
+  kw = dict(bits=bits, group_size=group, hidden=d, intermediate=inter)
+  want = cpu.pool_terms(x, gu.packed, gu.scales, dn.packed, dn.scales, ids, active, **kw)
+  fn = jax.jit(lambda x, ids, act: cpu_ffi.pool_terms_xla(
+      x, jnp.asarray(gu.packed), jnp.asarray(gu.scales), jnp.asarray(dn.packed),
+      jnp.asarray(dn.scales), ids, act, **kw))
+  got = np.asarray(fn(x, ids, active))
+  np.testing.assert_array_equal(got, want)
+  assert (got[~active] == 0).all() and np.abs(got[active]).min(axis=-1).max() > 0

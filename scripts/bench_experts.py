@@ -1,0 +1,297 @@
+"""CPU expert kernels at GLM-5 dims: numba (pallas_kernels.cpu) against the XLA paths.
+
+One JSON report (medians of --repeats timed calls after one warm-up call):
+
+* dram: read bandwidth of a ~1 GiB float32 array: jitted jnp.sum, numpy sum and a numba
+  prange stream with the kernel's vector ops (the roof for a kernel reading its weights once).
+* decode: one int4 expert (gate_up + down) applied to one token row, as GB/s of expert
+  bytes: XLA's per-pair path (reference.expert_terms on a 1-slot pool, jitted; it pads to
+  PAIR_CHUNK pairs), XLA dequantize-then-einsum (jitted), and numba expert_ffn. Calls
+  rotate over all --experts experts, so weights come from DRAM, not the L3 cache.
+* grouped: numba pool_terms on a pool of --experts random int4 experts with random top-k
+  routing at each --tokens T: wall time and GFLOP/s, FLOPs = 2*T*K*(2I*D + D*I).
+* score_128: 128 tokens through one MoE layer: numba pool_terms vs the per-pair XLA path
+  (one timed call; ~30 s; --skip_per_pair skips it) vs XLA dequantize-once-then-einsum.
+
+Weights are random packed bytes and random small bf16 scales (no quantization needed for
+timing). The machine may be shared: compare numbers from one run.
+
+  python scripts/bench_experts.py --out /tmp/bench_experts.json
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+from glmjax import quant  # noqa: E402
+from glmjax.reporting import write_report  # noqa: E402
+from pallas_kernels import cpu, reference  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "", "JSON output path (stdout only if empty).")
+flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (median reported).")
+flags.DEFINE_integer("hidden", 6144, "D (model width).")
+flags.DEFINE_integer("intermediate", 2048, "I (expert FFN width).")
+flags.DEFINE_integer("experts", 16, "Experts in the pool (one MoE layer's worth).")
+flags.DEFINE_integer("top_k", 8, "K, experts per token.")
+flags.DEFINE_integer("group_size", 64, "Quantization group size.")
+flags.DEFINE_list("tokens", ["16", "128", "1024"], "Token counts T for the grouped runs.")
+flags.DEFINE_bool("skip_per_pair", False, "Skip the slow per-pair XLA path at T=128.")
+flags.DEFINE_float("dram_gib", 1.0, "Size of the DRAM bandwidth array in GiB.")
+flags.DEFINE_integer("seed", 0, "RNG seed.")
+flags.DEFINE_float("wait_idle_s", 120.0,
+                   "Before each measurement wait up to this long for other processes to leave "
+                   "the CPUs idle (the machine may be shared); 0 disables.")
+
+_HP = jax.lax.Precision.HIGHEST
+
+
+def _log(msg: str) -> None:
+  print(f"[bench_experts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _wait_idle() -> dict:
+  """Waits (up to --wait_idle_s) for system CPU use below 20%; returns what it saw."""
+  t0, busy = time.perf_counter(), None
+  while FLAGS.wait_idle_s > 0 and time.perf_counter() - t0 < FLAGS.wait_idle_s:
+    busy = psutil.cpu_percent(interval=0.5)
+    if busy < 20.0:
+      break
+  return dict(cpu_busy_percent_before=busy, waited_s=round(time.perf_counter() - t0, 1),
+              loadavg_1m=os.getloadavg()[0])
+
+
+def _time(fn, repeats: int, warmup: int = 1) -> dict:
+  """Median/min wall seconds of `repeats` calls to fn(i) after `warmup` untimed calls."""
+  for i in range(warmup):
+    jax.block_until_ready(fn(i))
+  idle = _wait_idle()
+  ts = []
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(warmup + i))
+    ts.append(time.perf_counter() - t0)
+  return dict(median_s=statistics.median(ts), min_s=min(ts), repeats=repeats, **idle)
+
+
+def _random_pool(rng, s, d, i, g):
+  """Random int4 pool: numpy packed bytes and bf16 scales sized so activations stay O(1)."""
+
+  def q(o, k):
+    ng = -(-k // g)
+    packed = rng.integers(0, 256, (s, o, ng * g // 2), dtype=np.uint8)
+    mag = 1.0 / (np.sqrt(k) * 4)
+    scales = (rng.uniform(0.5, 1.5, (s, o, ng)) * mag).astype(ml_dtypes.bfloat16)
+    return packed, scales
+
+  return q(2 * i, d), q(d, i)
+
+
+# A streaming read with the kernel's own 16-lane vector ops (4 independent accumulators):
+# the roof for a numba kernel that reads its weights once.
+# pylint: disable-next=protected-access
+_vld, _vadd, _vzero, _vhsum = cpu._vld, cpu._vadd, cpu._vzero, cpu._vhsum
+
+
+@numba.njit
+def _stream_part(a, lo, hi):
+  s0 = _vzero()
+  s1 = _vzero()
+  s2 = _vzero()
+  s3 = _vzero()
+  for j in range(lo, hi, 64):
+    s0 = _vadd(s0, _vld(a, j))
+    s1 = _vadd(s1, _vld(a, j + 16))
+    s2 = _vadd(s2, _vld(a, j + 32))
+    s3 = _vadd(s3, _vld(a, j + 48))
+  return _vhsum(_vadd(_vadd(s0, s1), _vadd(s2, s3)))
+
+
+@numba.njit(parallel=True)
+def _numba_sum(a):
+  parts = 64
+  m = a.shape[0] // parts // 64 * 64
+  acc = np.zeros(parts, np.float64)
+  for p in numba.prange(parts):
+    acc[p] = _stream_part(a, np.int64(p) * m, (np.int64(p) + 1) * m)
+  return acc.sum()
+
+
+def _dram(report, repeats):
+  n = int(FLAGS.dram_gib * 2**30) // 4
+  _log(f"dram: {n * 4 / 2**30:.2f} GiB float32")
+  a = np.random.default_rng(1).random(n, dtype=np.float32)
+  aj = jnp.asarray(a)
+  jsum = jax.jit(jnp.sum)
+  out = {}
+  for name, fn in (("jax_jit_sum", lambda i: jsum(aj)), ("numpy_sum", lambda i: a.sum()),
+                   ("numba_vector_stream", lambda i: _numba_sum(a))):
+    t = _time(fn, repeats)
+    t["gb_per_s"] = a.nbytes / t["median_s"] / 1e9
+    out[name] = t
+    _log(f"  {name}: {t['gb_per_s']:.1f} GB/s")
+  report["dram_read"] = dict(bytes=a.nbytes, **out)
+  del a, aj
+
+
+def _one_slot_pools(gu, dn, d, i, g):
+  """One jax 1-slot ExpertPool per expert (rotated so every call reads fresh weights)."""
+  pools = []
+  for e in range(gu[0].shape[0]):
+    pools.append(quant.ExpertPool(
+        gate_up=quant.QArray(jnp.asarray(gu[0][e:e + 1]), jnp.asarray(gu[1][e:e + 1]), 4, g, d),
+        down=quant.QArray(jnp.asarray(dn[0][e:e + 1]), jnp.asarray(dn[1][e:e + 1]), 4, g, i)))
+  return pools
+
+
+def _deq_einsum_terms(x, pool, slot_ids):
+  """Dequantize every pool expert once, run all of them densely, pick the routed terms."""
+  gu = quant.dequantize(pool.gate_up)  # [S, 2I, D]
+  dn = quant.dequantize(pool.down)  # [S, D, I]
+  inter = pool.intermediate
+  h = jnp.einsum("td,sfd->tsf", x, gu, precision=_HP)
+  a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
+  y = jnp.einsum("tsi,sdi->tsd", a, dn, precision=_HP)  # [T, S, D]
+  return jnp.take_along_axis(y, slot_ids[..., None].astype(jnp.int32), axis=1)
+
+
+def _decode(report, gu, dn, d, i, g, repeats):
+  s = gu[0].shape[0]
+  expert_bytes = sum(int(a[0].nbytes) for a in (*gu, *dn))
+  packed_bytes = int(gu[0][0].nbytes + dn[0][0].nbytes)
+  x = np.random.default_rng(2).standard_normal((1, d)).astype(np.float32)
+  xj = jnp.asarray(x)
+  out = dict(expert_bytes=expert_bytes, packed_bytes=packed_bytes, rotate_experts=s)
+  args = [tuple(a[e] for a in (*gu, *dn)) for e in range(s)]
+
+  t0 = time.perf_counter()
+  y_numba = cpu.expert_ffn(x, *args[0], 4, g, d, i)
+  out["numba_first_call_s"] = time.perf_counter() - t0
+  t = _time(lambda k: cpu.expert_ffn(x, *args[k % s], 4, g, d, i), max(repeats, 2 * s))
+  out["numba_expert_ffn"] = t
+  _log(f"decode numba expert_ffn: {t['median_s'] * 1e3:.2f} ms")
+
+  pools = _one_slot_pools(gu, dn, d, i, g)
+  ids = jnp.zeros((1, 1), jnp.int32)
+  per_pair = jax.jit(reference.expert_terms)
+  deq = jax.jit(_deq_einsum_terms)
+  y_ref = np.asarray(deq(xj, pools[0], ids))[0, 0]
+  out["numba_vs_xla_max_rel_err"] = float(
+      np.abs(y_numba[0] - y_ref).max() / np.abs(y_ref).max())
+  for name, fn in (("xla_per_pair", lambda k: per_pair(xj, pools[k % s], ids)),
+                   ("xla_dequant_einsum", lambda k: deq(xj, pools[k % s], ids))):
+    t = _time(fn, max(3, min(repeats, s)))
+    out[name] = t
+    _log(f"decode {name}: {t['median_s'] * 1e3:.1f} ms")
+  for name in ("numba_expert_ffn", "xla_per_pair", "xla_dequant_einsum"):
+    out[name]["gb_per_s"] = expert_bytes / out[name]["median_s"] / 1e9
+  out["numba_over_xla_per_pair"] = out["xla_per_pair"]["median_s"] / out["numba_expert_ffn"][
+      "median_s"]
+  out["numba_over_xla_dequant_einsum"] = (out["xla_dequant_einsum"]["median_s"] /
+                                          out["numba_expert_ffn"]["median_s"])
+  out["note"] = ("GB/s = expert bytes (packed + scales, gate_up + down) / median time; the "
+                 "per-pair XLA path pads one pair to reference.PAIR_CHUNK pairs.")
+  report["decode"] = out
+  del pools
+
+
+def _routing(rng, t, s, k):
+  return np.argsort(rng.random((t, s)), axis=1)[:, :k].astype(np.int32)
+
+
+def _grouped(report, gu, dn, d, i, g, k, repeats):
+  s = gu[0].shape[0]
+  flops_per_pair = 2 * (2 * i * d + d * i)
+  rng = np.random.default_rng(3)
+  rows = []
+  for t_count in (int(v) for v in FLAGS.tokens):
+    x = rng.standard_normal((t_count, d)).astype(np.float32)
+    ids = _routing(rng, t_count, s, k)
+    fn = lambda _, x=x, ids=ids: cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i)
+    reps = repeats if t_count <= 256 else max(1, min(repeats, 2))
+    t = _time(fn, reps)
+    t.update(tokens=t_count, pairs=t_count * k, distinct_slots=int(np.unique(ids).size),
+             flops=flops_per_pair * t_count * k,
+             gflop_per_s=flops_per_pair * t_count * k / t["median_s"] / 1e9)
+    rows.append(t)
+    _log(f"grouped T={t_count}: {t['median_s']:.3f} s, {t['gflop_per_s']:.1f} GFLOP/s")
+  report["grouped"] = rows
+
+
+def _score_128(report, gu, dn, d, i, g, k, repeats):
+  t_count = 128
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal((t_count, d)).astype(np.float32)
+  ids = _routing(rng, t_count, gu[0].shape[0], k)
+  out = dict(tokens=t_count, top_k=k, experts=int(gu[0].shape[0]))
+  y_numba = cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i)
+  out["numba_pool_terms"] = _time(lambda _: cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i),
+                                  repeats, warmup=0)
+  _log(f"score_128 numba: {out['numba_pool_terms']['median_s']:.3f} s")
+  pool = quant.ExpertPool(
+      gate_up=quant.QArray(jnp.asarray(gu[0]), jnp.asarray(gu[1]), 4, g, d),
+      down=quant.QArray(jnp.asarray(dn[0]), jnp.asarray(dn[1]), 4, g, i))
+  xj, idj = jnp.asarray(x), jnp.asarray(ids)
+  deq = jax.jit(_deq_einsum_terms)
+  y_deq = np.asarray(deq(xj, pool, idj))
+  out["numba_vs_xla_max_rel_err"] = float(np.abs(y_numba - y_deq).max() / np.abs(y_deq).max())
+  out["xla_dequant_once_einsum"] = _time(lambda _: deq(xj, pool, idj), max(1, min(repeats, 3)),
+                                         warmup=0)
+  _log(f"score_128 xla dequant-once einsum: {out['xla_dequant_once_einsum']['median_s']:.3f} s")
+  if FLAGS.skip_per_pair:
+    out["xla_per_pair"] = "skipped (--skip_per_pair)"
+  else:
+    _log("score_128 xla per-pair: compiling, then one timed call (~30 s)")
+    t0 = time.perf_counter()
+    compiled = jax.jit(reference.expert_terms).lower(xj, pool, idj).compile()
+    compile_s = time.perf_counter() - t0
+    out["xla_per_pair"] = _time(lambda _: compiled(xj, pool, idj), 1, warmup=0)
+    out["xla_per_pair"]["compile_s"] = compile_s
+    out["speedup_numba_over_per_pair"] = (out["xla_per_pair"]["median_s"] /
+                                          out["numba_pool_terms"]["median_s"])
+    _log(f"score_128 xla per-pair: {out['xla_per_pair']['median_s']:.1f} s")
+  out["speedup_numba_over_dequant_once"] = (out["xla_dequant_once_einsum"]["median_s"] /
+                                            out["numba_pool_terms"]["median_s"])
+  report["score_128"] = out
+
+
+def main(argv):
+  del argv
+  d, i, g, k, s = (FLAGS.hidden, FLAGS.intermediate, FLAGS.group_size, FLAGS.top_k,
+                   FLAGS.experts)
+  repeats = max(1, FLAGS.repeats)
+  report = dict(
+      machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine(),
+                   numba_threads=numba.get_num_threads(), numba_version=numba.__version__,
+                   jax_version=jax.__version__, jax_backend=jax.default_backend(),
+                   avx512_int4_decode=bool(cpu._AVX512)),  # pylint: disable=protected-access
+      shapes=dict(D=d, I=i, group_size=g, bits=4, experts=s, top_k=k),
+      repeats=repeats)
+  _dram(report, repeats)
+  _log(f"building {s} random int4 experts at D={d}, I={i}, G={g}")
+  rng = np.random.default_rng(FLAGS.seed)
+  gu, dn = _random_pool(rng, s, d, i, g)
+  report["pool_bytes"] = int(sum(a.nbytes for a in (*gu, *dn)))
+  _decode(report, gu, dn, d, i, g, repeats)
+  _grouped(report, gu, dn, d, i, g, k, repeats)
+  _score_128(report, gu, dn, d, i, g, k, repeats)
+  write_report(report, FLAGS.out or None)
+
+
+if __name__ == "__main__":
+  app.run(main)
