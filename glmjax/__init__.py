@@ -8,7 +8,7 @@
 """
 
 from glmjax.api import GenerationResult, Model, load
-from glmjax.config import Config
+from glmjax.model.config import Config
 from glmjax.errors import CheckpointError, ConfigError, GlmjaxError, InputError
 
 __all__ = ["load", "Model", "GenerationResult", "Config", "GlmjaxError", "ConfigError",

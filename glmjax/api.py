@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax import checkpoint, embedded, store
-from glmjax.config import Config
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
-from glmjax.model import KVCache, bucket, decode_fn, init_cache, prefill_fn, score_fn
+from glmjax.formats import checkpoint, embedded, store
+from glmjax.model.config import Config
+from glmjax.model.forward import KVCache, bucket, decode_fn, init_cache, prefill_fn, score_fn
+from glmjax.model.weights import Weights
 from glmjax.options import Options
-from glmjax.weights import Weights
 
 _MIN_BUCKET = 16
 
@@ -48,8 +48,9 @@ class GenerationResult:
 class Model:
   """A loaded GLM-5 model: `config`, `weights` and the steps that run them.
 
-  Models loaded from an expert store run through `engine` (glmjax.engine.OffloadEngine), whose
-  routed experts live in the device/host/disk tiers; HF checkpoints run fully resident.
+  Models loaded from an expert store run through `engine` (glmjax.offload.engine's
+  OffloadEngine), whose routed experts live in the device/host/disk tiers; HF checkpoints and
+  stores whose experts all fit run fully resident, one jit per step.
   """
 
   def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None,
@@ -199,7 +200,7 @@ class Model:
                min_p=0.0, repetition_penalty=1.0, stop_ids=None, stop=(), on_token=None,
                on_text=None) -> "_Request":
     """Validates one request's sampling and stop settings (before any compute)."""
-    from glmjax import sampling, text
+    from glmjax.decoding import sampling, text
     if temperature < 0:  # also checked by SamplingParams; kept for a plain message
       raise InputError(f"temperature must be ≥ 0, got {temperature}")
     params = sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
@@ -265,8 +266,8 @@ class Model:
                 decode_tok_s=rate), cache
 
   def _speculate(self, cache: KVCache, toks, n: int, req: "_Request", draft, on_round) -> dict:
-    """MTP speculative decoding (glmjax.speculative); the stats of `_decode_loop`."""
-    from glmjax import speculative
+    """MTP speculative decoding (glmjax.decoding.speculative); the stats of `_decode_loop`."""
+    from glmjax.decoding import speculative
     backend = (speculative.EngineBackend(self) if self.offloaded
                else speculative.ResidentBackend(self))
     t0 = time.perf_counter()
@@ -390,7 +391,7 @@ class ChatSession:
     `sampling` takes generate's keywords: temperature, seed, top_k, top_p, min_p,
     repetition_penalty, stop_ids, stop, on_token, on_text.
     """
-    from glmjax import text
+    from glmjax.decoding import text
     self.model._check_open()
     known = ("temperature", "seed", "top_k", "top_p", "min_p", "repetition_penalty", "stop_ids",
              "stop", "on_token", "on_text")
@@ -440,7 +441,7 @@ class ChatSession:
 
 
 def _tokenizer(path):
-  from glmjax import text
+  from glmjax.decoding import text
   if path and os.path.exists(os.path.join(path, "tokenizer.json")):
     return text.Tokenizer.from_dir(path)
   return None
@@ -466,9 +467,9 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
     cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
     return Model(cfg, weights, opts, path)
 
-  from glmjax import budget
-  from glmjax.engine import OffloadEngine
-  from glmjax.weights import nbytes
+  from glmjax.offload import budget
+  from glmjax.offload.engine import OffloadEngine
+  from glmjax.model.weights import nbytes
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
   experts = store.ExpertStore(path)
   moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]

@@ -24,7 +24,7 @@ def bench_store(path: str | None, prefix: str) -> str:
   import subprocess
   import sys
   import tempfile
-  from glmjax import embedded
+  from glmjax.formats import embedded
   if path is not None:
     return path
   path = os.path.join(tempfile.mkdtemp(prefix=prefix), "store")

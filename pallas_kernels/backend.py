@@ -25,7 +25,7 @@ Data layout the kernels see (free reshapes of the QArray leaves)::
     out     [U, Rx, N]        f32
 
 For int4, half 0 is the first G/2 features of every group (low nibbles) and
-half 1 the second G/2 (high nibbles), matching glmjax.quant's layout, so
+half 1 the second G/2 (high nibbles), matching glmjax.model.quant's layout, so
 activations are split once outside the kernel instead of shuffling nibbles.
 """
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
-from pallas_kernels import common, reference, tuning
+from pallas_kernels import common, xla, tuning
 
 _BACKENDS = ("auto", "pallas", "xla")
 
@@ -30,7 +30,7 @@ def _check_args(x, pool, slot_ids, weights) -> None:
         f"got {tuple(weights.shape)}")
 
 
-dedupe_slots = reference.dedupe_slots
+dedupe_slots = xla.dedupe_slots
 
 
 def _split_halves(a, k_padded: int, group: int, halves: int):
@@ -59,7 +59,7 @@ def _pallas_moe(x, pool, slot_ids, weights, *, interpret,
   terms = _pallas_terms(x, pool, slot_ids, interpret=interpret, flavour=flavour, config=config,
                         platform=platform)
   with jax.named_scope("combine"):
-    return reference.combine_in_order(terms, weights)
+    return xla.combine_in_order(terms, weights)
 
 
 def _pallas_terms(x, pool, slot_ids, *, interpret, flavour,
@@ -105,7 +105,7 @@ def _pallas_terms(x, pool, slot_ids, *, interpret, flavour,
 @jax.jit
 def _reference_jit(x, pool, slot_ids, weights):
   slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
-  return reference.grouped_moe_reference(x, pool, slot_ids, weights)
+  return xla.grouped_moe_reference(x, pool, slot_ids, weights)
 
 
 def _pallas_settings(x, pool, plat, interpret, flavour, config):

@@ -29,12 +29,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glmjax  # noqa: E402
-from glmjax import corpus  # noqa: E402
-from glmjax.attention import attention  # noqa: E402
-from glmjax.layers import F32, rms_norm, swiglu  # noqa: E402
-from glmjax.model import moe_block as moe  # noqa: E402
-from glmjax.moe import route  # noqa: E402
-from glmjax.weights import MoE  # noqa: E402
+from glmjax.formats import corpus  # noqa: E402
+from glmjax.model.attention import attention  # noqa: E402
+from glmjax.model.layers import F32, rms_norm, swiglu  # noqa: E402
+from glmjax.model.forward import moe_block as moe  # noqa: E402
+from glmjax.model.moe import route  # noqa: E402
+from glmjax.model.weights import MoE  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint directory; default: the embedded model.")
@@ -138,7 +138,7 @@ def analyze(model, windows: np.ndarray) -> dict:
 
 def main(argv):
   del argv
-  from glmjax.text import Tokenizer
+  from glmjax.decoding.text import Tokenizer
   model = glmjax.load(FLAGS.model, progress=False)
   tok = Tokenizer.from_dir(model.path)
   eos = tok.token_id("<|endoftext|>")

@@ -46,8 +46,9 @@ def child_peak_rss(cmd) -> tuple[float, float, int]:
 
 def main(argv):
   del argv
-  from glmjax import checkpoint, weights
-  from glmjax.config import Config
+  from glmjax.formats import checkpoint
+  from glmjax.model import weights
+  from glmjax.model.config import Config
   work = FLAGS.workdir or tempfile.mkdtemp(prefix="bench_convert.")
   src, dst = os.path.join(work, "src"), os.path.join(work, "dst")
   raw = {"model_type": "glm_moe_dsa", "vocab_size": 4096, "hidden_size": FLAGS.hidden,
@@ -65,7 +66,7 @@ def main(argv):
   largest = max(os.path.getsize(os.path.join(src, f)) for f in shards)
 
   base_s, base_rss, _ = child_peak_rss(
-      [sys.executable, "-c", "import glmjax.convert, orbax.checkpoint, tensorstore, jax; "
+      [sys.executable, "-c", "import glmjax.formats.convert, orbax.checkpoint, tensorstore, jax; "
        "jax.numpy.zeros(1)"])
   import shutil
   shutil.rmtree(dst, ignore_errors=True)

@@ -5,7 +5,7 @@ One JSON report (medians of --repeats timed calls after one warm-up call):
 * dram: read bandwidth of a ~1 GiB float32 array: jitted jnp.sum, numpy sum and a numba
   prange stream with the kernel's vector ops (the roof for a kernel reading its weights once).
 * decode: one int4 expert (gate_up + down) applied to one token row, as GB/s of expert
-  bytes: XLA's per-pair path (reference.expert_terms on a 1-slot pool, jitted; it pads to
+  bytes: XLA's per-pair path (xla.expert_terms on a 1-slot pool, jitted; it pads to
   PAIR_CHUNK pairs), XLA dequantize-then-einsum (jitted), and numba expert_ffn. Calls
   rotate over all --experts experts, so weights come from DRAM, not the L3 cache.
 * grouped: numba pool_terms on a pool of --experts random int4 experts with random top-k
@@ -38,9 +38,9 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from glmjax import quant  # noqa: E402
+from glmjax.model import quant  # noqa: E402
 from glmjax.reporting import write_report  # noqa: E402
-from pallas_kernels import cpu, reference  # noqa: E402
+from pallas_kernels import cpu, xla  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "JSON output path (stdout only if empty).")
@@ -188,7 +188,7 @@ def _decode(report, gu, dn, d, i, g, repeats):
 
   pools = _one_slot_pools(gu, dn, d, i, g)
   ids = jnp.zeros((1, 1), jnp.int32)
-  per_pair = jax.jit(reference.expert_terms)
+  per_pair = jax.jit(xla.expert_terms)
   deq = jax.jit(_deq_einsum_terms)
   y_ref = np.asarray(deq(xj, pools[0], ids))[0, 0]
   out["numba_vs_xla_max_rel_err"] = float(
@@ -205,7 +205,7 @@ def _decode(report, gu, dn, d, i, g, repeats):
   out["numba_over_xla_dequant_einsum"] = (out["xla_dequant_einsum"]["median_s"] /
                                           out["numba_expert_ffn"]["median_s"])
   out["note"] = ("GB/s = expert bytes (packed + scales, gate_up + down) / median time; the "
-                 "per-pair XLA path pads one pair to reference.PAIR_CHUNK pairs.")
+                 "per-pair XLA path pads one pair to xla.PAIR_CHUNK pairs.")
   report["decode"] = out
   del pools
 
@@ -258,7 +258,7 @@ def _score_128(report, gu, dn, d, i, g, k, repeats):
   else:
     _log("score_128 xla per-pair: compiling, then one timed call (~30 s)")
     t0 = time.perf_counter()
-    compiled = jax.jit(reference.expert_terms).lower(xj, pool, idj).compile()
+    compiled = jax.jit(xla.expert_terms).lower(xj, pool, idj).compile()
     compile_s = time.perf_counter() - t0
     out["xla_per_pair"] = _time(lambda _: compiled(xj, pool, idj), 1, warmup=0)
     out["xla_per_pair"]["compile_s"] = compile_s

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from glmjax import quant  # noqa: E402
+from glmjax.model import quant  # noqa: E402
 from pallas_kernels import common, ops, tuning  # noqa: E402
 
 FLAGS = flags.FLAGS

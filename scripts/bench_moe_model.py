@@ -43,8 +43,9 @@ GB = 1 << 30
 def build(work: str) -> str:
   """The converted store (built once): HF bf16 checkpoint → default conversion."""
   import ml_dtypes
-  from glmjax import checkpoint, weights
-  from glmjax.config import Config
+  from glmjax.formats import checkpoint
+  from glmjax.model import weights
+  from glmjax.model.config import Config
   store = os.path.join(work, "store")
   if os.path.exists(os.path.join(store, "manifest.json")):
     return store

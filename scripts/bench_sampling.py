@@ -1,4 +1,4 @@
-"""Times top-p filtering: a full-vocabulary sort against glmjax.sampling.filter_logits.
+"""Times top-p filtering: a full-vocabulary sort against glmjax.decoding.sampling.filter_logits.
 
 For each vocabulary size and distribution shape (batch 1), both jitted functions are compiled and
 warmed up, then called alternately --repeats times so that they share machine conditions; the
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from glmjax import sampling  # noqa: E402
+from glmjax.decoding import sampling  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "JSON output path (stdout if empty).")

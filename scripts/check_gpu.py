@@ -1,5 +1,6 @@
-"""The prepared device check: compiled Pallas kernels against the float64 loop reference, then
-the kernel benchmark and model-level parity on a GPU. Writes one JSON report.
+"""The prepared device check: compiled Pallas kernels against the float64 loop reference, the
+expert placement comparison (expert_compute device / host / auto: tok/s and logits), then the
+kernel benchmark and model-level parity on a GPU. Writes one JSON report.
 
   python scripts/check_gpu.py --out=$OUT/gpu_check.json
 
@@ -56,11 +57,45 @@ def kernel_checks() -> list[dict]:
   return rows
 
 
+def placement_checks(store: str | None = None) -> list[dict]:
+  """Decode tok/s and logits per expert_compute placement (device / host / auto) on a store
+  with a quarter of its experts pinned and the rest in the host cache. Device placement must be
+  bitwise equal across budgets; host and auto within 1e-5 relative of device."""
+  import numpy as np
+  import glmjax
+  from glmjax.reporting import bench_store, store_geometry
+  path = bench_store(store, "check_gpu.")
+  total = store_geometry(path)["expert_bytes_total"]
+  toks = np.random.default_rng(0).integers(3, 90, (1, 64)).astype(np.int32)
+  rows, ref = [], None
+  for mode, dev in (("device", 1.0), ("device", 0.25), ("host", 0.25), ("auto", 0.25)):
+    row = {"expert_compute": mode, "device_frac": dev}
+    try:
+      with glmjax.load(path, progress=False, expert_compute=mode,
+                       device_cache_gb=dev * total / 2**30,
+                       host_cache_gb=total / 2**30) as m:
+        logits = m.score(toks)
+        m.generate([5, 6, 7, 8], 8, stop_ids=[])  # compile
+        r = m.generate([5, 6, 7, 8], 48, stop_ids=[])
+      ref = logits if ref is None else ref
+      diff = float(np.abs(logits - ref).max() / np.abs(ref).max())
+      row.update(decode_tok_s=r.stats["decode_tok_s"], rel_diff_vs_resident=diff,
+                 bitwise=bool(np.array_equal(logits, ref)),
+                 experts_on_host=r.stats.get("experts_on_host", 0.0),
+                 h2d_bytes=r.stats.get("h2d_bytes", 0.0),
+                 ok=(diff == 0.0) if mode == "device" else diff <= 1e-5)
+    except Exception as e:  # report, keep going
+      row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+    rows.append(row)
+  return rows
+
+
 def main(argv):
   del argv
   import jax
   report = {"devices": [str(d) for d in jax.devices()], "started": time.time()}
   report["kernels"] = kernel_checks()
+  report["placement"] = placement_checks()
   bench = os.path.join(os.path.dirname(FLAGS.out) or ".", "bench_kernels.json")
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_kernels.py"),
                       "--rows=1,2,3,4", f"--repeats={FLAGS.repeats}", f"--out={bench}"],
@@ -77,7 +112,9 @@ def main(argv):
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=1)
   ok = all(k["ok"] for k in report["kernels"])
-  print(json.dumps({"kernels_ok": ok, "bench_rc": r.returncode, "model_rc": t.returncode}))
+  placement_ok = all(p["ok"] for p in report["placement"])
+  print(json.dumps({"kernels_ok": ok, "placement_ok": placement_ok, "bench_rc": r.returncode,
+                    "model_rc": t.returncode}))
 
 
 if __name__ == "__main__":

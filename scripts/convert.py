@@ -29,7 +29,7 @@ flags.DEFINE_integer("workers", 4, "Threads quantizing experts in parallel.", lo
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from glmjax.convert import convert
+  from glmjax.formats.convert import convert
   from glmjax.errors import GlmjaxError
   t0 = time.perf_counter()
   try:

@@ -32,7 +32,13 @@ flags.DEFINE_float("repetition_penalty", None, "Penalty on already-seen tokens (
 flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Dense weight dtype.")
-flags.DEFINE_enum("moe_kernel", "auto", ["auto", "pallas", "xla"], "MoE expert kernel.")
+flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
+                  "Quantized expert kernel: cpu (numba), pallas, xla; auto = cpu on a CPU-only "
+                  "machine, pallas on an accelerator.")
+flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
+                  "Where host-cached and missed experts are computed (store only): device "
+                  "(uploaded; bitwise identical across budgets), host (the CPU kernel where the "
+                  "bytes are), auto (per layer step, from measured costs).")
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
                      "config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
@@ -79,7 +85,7 @@ def parse_ids(text: str) -> list[int]:
 
 def sampling_kwargs(model) -> dict:
   """Flags that were set, over the model's generation_config defaults."""
-  from glmjax.sampling import SamplingParams
+  from glmjax.decoding.sampling import SamplingParams
   gen = model.tokenizer.generation_config if model.tokenizer is not None else {}
   p = SamplingParams.from_generation_config(gen or {})
   kw = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
@@ -145,6 +151,8 @@ def main(argv):
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
     parse_draft(FLAGS.draft)
+    if FLAGS.expert_compute != "device":
+      options["expert_compute"] = FLAGS.expert_compute
     with glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
                      **options) as model:
       run(model)

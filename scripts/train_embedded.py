@@ -7,8 +7,8 @@
 (the command that produced the shipped model: 1064 steps × 4096 tokens, 59 min on 2 shared CPU
 cores; the time limit did not trigger).
 
-Pipeline: corpus split (glmjax.corpus) → byte-level BPE tokenizer (glmjax.text) → token stream →
-AdamW training of every architectural part → bf16 HF checkpoint (glmjax.checkpoint.save_hf).
+Pipeline: corpus split (glmjax.formats.corpus) → byte-level BPE tokenizer (glmjax.decoding.text) → token stream →
+AdamW training of every architectural part → bf16 HF checkpoint (glmjax.formats.checkpoint.save_hf).
 
 What the training forward does differently from inference (and why):
 - MoE: routing is glmjax's own `moe.route` (sigmoid + correction bias + group limit), but the
@@ -20,7 +20,7 @@ What the training forward does differently from inference (and why):
   KL(mean-over-heads dense attention probs ‖ softmax(index scores)) over causal keys. The main
   attention is dense for the first `--dense_attn_steps` steps (the indexer warms up on the KL),
   then uses the indexer's top-k selection (as inference does) with the KL still applied.
-- MTP: glmjax.mtp.mtp_logits with the training block; loss weight `--mtp_weight`.
+- MTP: glmjax.model.mtp.mtp_logits with the training block; loss weight `--mtp_weight`.
 Evaluation (`--eval_only` or after training) uses the real `glmjax.load` + `score_fn` path.
 """
 
@@ -43,13 +43,13 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glmjax import corpus  # noqa: E402
-from glmjax.attention import indexer_keys  # noqa: E402
-from glmjax.config import Config  # noqa: E402
-from glmjax.layers import F32, LATENT_NORM_EPS, linear, rms_norm, rope_angles, rope_interleaved, swiglu  # noqa: E402
-from glmjax.moe import route  # noqa: E402
-from glmjax.mtp import mtp_logits  # noqa: E402
-from glmjax.weights import MoE, Weights, abstract, map_infos  # noqa: E402
+from glmjax.formats import corpus  # noqa: E402
+from glmjax.model.attention import indexer_keys  # noqa: E402
+from glmjax.model.config import Config  # noqa: E402
+from glmjax.model.layers import F32, LATENT_NORM_EPS, linear, rms_norm, rope_angles, rope_interleaved, swiglu  # noqa: E402
+from glmjax.model.moe import route  # noqa: E402
+from glmjax.model.mtp import mtp_logits  # noqa: E402
+from glmjax.model.weights import MoE, Weights, abstract, map_infos  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("work_dir", "/tmp/glmjax_embedded_run", "Checkpoints, tokenizer, logs.")
@@ -127,7 +127,7 @@ def init_params(cfg: Config, seed: int, std: float = 0.02) -> Weights:
 # --- training forward -------------------------------------------------------------------------
 
 def index_scores(ix, x, q_lat, index_k, cfg: Config, cos, sin):
-  """DSA index scores `[B, S, T]` (the same formula as glmjax.attention.indexer_select)."""
+  """DSA index scores `[B, S, T]` (the same formula as glmjax.model.attention.indexer_select)."""
   b, s, _ = x.shape
   g, i, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
   q = linear(q_lat, ix.wq_b).reshape(b, s, g, i)
@@ -313,7 +313,7 @@ def make_step(cfg: Config, opt, sparse: bool, capacity: float, mtp_weight: float
 # --- data -------------------------------------------------------------------------------------
 
 def build_tokenizer(work_dir: str, vocab_size: int, train_files):
-  from glmjax.text import Tokenizer, train_bpe_tokenizer
+  from glmjax.decoding.text import Tokenizer, train_bpe_tokenizer
   tok_dir = os.path.join(work_dir, "tokenizer")
   if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
     return Tokenizer.from_dir(tok_dir)
@@ -362,7 +362,7 @@ def load_state(path: str):
 def export(w: Weights, cfg: Config, tok_dir: str, out_dir: str):
   """Writes the shipped model: bf16 HF checkpoint + tokenizer files."""
   import shutil
-  from glmjax.checkpoint import save_hf
+  from glmjax.formats.checkpoint import save_hf
   os.makedirs(out_dir, exist_ok=True)
   for f in os.listdir(out_dir):
     os.remove(os.path.join(out_dir, f))
@@ -375,8 +375,8 @@ def export(w: Weights, cfg: Config, tok_dir: str, out_dir: str):
 
 def evaluate(model_dir: str | None, stride: int = 512, quick: bool = False) -> dict:
   import glmjax
-  from glmjax.model import forward
-  from glmjax.text import Tokenizer
+  from glmjax.model.forward import forward
+  from glmjax.decoding.text import Tokenizer
 
   model = glmjax.load(model_dir, progress=False)
   cfg, w = model.config, model.weights

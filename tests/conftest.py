@@ -26,7 +26,7 @@ def convert_store(src: str, dst: str, *flags: str, timeout: float = 300):
 @pytest.fixture(scope="session")
 def embedded_store(tmp_path_factory):
   """The embedded model converted with the converter's default flags (what users run first)."""
-  from glmjax import embedded
+  from glmjax.formats import embedded
   dst = str(tmp_path_factory.mktemp("embedded_store") / "store")
   r = convert_store(embedded.ensure(progress=False), dst)
   assert r.returncode == 0, r.stderr

@@ -36,7 +36,7 @@ TINY = dict(
 
 def tiny_config(**overrides):
   """A glmjax Config: `TINY` with `overrides`."""
-  from glmjax.config import Config
+  from glmjax.model.config import Config
   return Config.from_dict({**TINY, **overrides})
 
 
@@ -80,8 +80,8 @@ def tokens(seed: int, batch: int, seq: int, vocab: int = BASE["vocab_size"]) -> 
 
 def shard(path: str, n: int = 3) -> None:
   """Re-saves a single-file checkpoint as `n` shards with an index (tests the sharded path)."""
-  from glmjax.checkpoint import INDEX, SINGLE
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.checkpoint import INDEX, SINGLE
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   import json
   src = SafetensorsFile(os.path.join(path, SINGLE))
   names = sorted(src.keys())
@@ -107,7 +107,7 @@ def to_fp8(src: str, dst: str, block=(16, 24)) -> None:
   import json
   import shutil
   import ml_dtypes
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   os.makedirs(dst, exist_ok=True)
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
   out = {}

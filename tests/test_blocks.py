@@ -12,8 +12,8 @@ import torch
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glmjax
-from glmjax import attention, layers, moe
-from glmjax.model import moe_block
+from glmjax.model import attention, layers, moe
+from glmjax.model.forward import moe_block
 from hf_reference import make_hf, rel_err
 
 TOL = 1e-4

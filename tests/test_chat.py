@@ -4,7 +4,9 @@
 import pytest
 
 import glmjax
-from glmjax import checkpoint, text, weights
+from glmjax.formats import checkpoint
+from glmjax.decoding import text
+from glmjax.model import weights
 from hf_reference import tiny_config
 from text_fixtures import GLM_LIKE_TEMPLATE, make_tokenizer_dir
 

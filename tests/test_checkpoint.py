@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import glmjax
-from glmjax import checkpoint, weights
-from glmjax.config import Config
+from glmjax.formats import checkpoint
+from glmjax.model import weights
+from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
-from glmjax.safetensors_io import SafetensorsFile, write
+from glmjax.formats.safetensors_io import SafetensorsFile, write
 from hf_reference import make_hf, tiny_config
 
 SINGLE = "model.safetensors"
@@ -121,7 +122,7 @@ def test_mtp_layer_recognised_and_kept(tmp_path):
 
 
 def test_save_load_round_trip_sharded(tmp_path):
-  from glmjax import embedded
+  from glmjax.formats import embedded
   cfg = Config.from_dict(embedded.CONFIG)
   w = weights.init(cfg, seed=2)
   checkpoint.save_hf(w, cfg, str(tmp_path), shard_bytes=200_000)

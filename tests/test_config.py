@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import GlmMoeDsaConfig
 
-from glmjax.config import Config
+from glmjax.model.config import Config
 from glmjax.errors import ConfigError
 
 # GLM-5's published architecture (see shared/reference/glm5-architecture.md §1).

@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import pytest
 
-from glmjax import quant
+from glmjax.model import quant
 from pallas_kernels import cpu
 
 # (bits, group_size, hidden D, intermediate I): each selects a different code path.

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import glmjax
-from glmjax import corpus, embedded
-from glmjax.model import forward
-from glmjax.text import Tokenizer
+from glmjax.formats import corpus, embedded
+from glmjax.model.forward import forward
+from glmjax.decoding.text import Tokenizer
 from hf_reference import rel_err
 
 # bits/byte of the shipped model on corpus.HELD_OUT_SMALL, measured when it was exported
@@ -91,8 +91,8 @@ def test_shipped_size():
 
 
 def test_mtp_cached_steps_match_teacher_forced(model, tok):
-  from glmjax.model import mtp_fn
-  from glmjax.mtp import init_mtp_cache, mtp_logits
+  from glmjax.model.forward import mtp_fn
+  from glmjax.model.mtp import init_mtp_cache, mtp_logits
   cfg, w = model.config, model.weights
   toks = jnp.asarray([tok.encode(corpus.read("colorsys.py"))[:41]], jnp.int32)
   logits, h, _ = forward(w, toks[:, :-1], cfg)  # h[:, i] sees t_0..t_i

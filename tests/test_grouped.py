@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import glmjax
-from glmjax import tiers
-from glmjax.expert_io import DEMAND, PILOT, ExpertReader
+from glmjax.offload import tiers
+from glmjax.offload.expert_io import DEMAND, PILOT, ExpertReader
 
 GB = 1 << 30
 PROMPT17 = [5 + (7 * i) % 80 for i in range(17)]
@@ -85,7 +85,7 @@ def test_expert_terms_do_not_depend_on_the_batch(embedded_store):
 
 def test_install_writes_in_place(embedded_store):
   """Installing one expert donates the pool: the same buffer, no copy of the layer pool."""
-  from glmjax.store import ExpertStore
+  from glmjax.formats.store import ExpertStore
   store = ExpertStore(embedded_store)
   layer = store.layers[0]
   layout = store.layout(layer)
@@ -125,7 +125,7 @@ def test_promoted_hint_is_read_before_queued_hints():
 def test_xla_custom_call_is_bitwise_the_cpu_kernel(bits, group):
   """The in-jit custom call (zero-copy operands) gives pool_terms' bits, inactive pairs 0."""
   import jax
-  from glmjax import quant
+  from glmjax.model import quant
   from pallas_kernels import cpu, cpu_ffi
   rng = np.random.default_rng(bits + group)
   d, inter, s, t, k = 100, 72, 5, 7, 3

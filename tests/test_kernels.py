@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax import quant
+from glmjax.model import quant
 import pallas_kernels
-from pallas_kernels import backend, common, ops, reference, tuning
+from pallas_kernels import backend, common, ops, xla, tuning
 
 # Output scale-relative tolerance. Every output is a chain of float32 dot
 # products of length <= D + I (<= 640 here) plus a K-term combine; float32
@@ -194,7 +194,7 @@ def test_combine_is_in_rank_order():
   # In float32, (1e8 + 1) - 1e8 == 0 but (1e8 - 1e8) + 1 == 1: only the
   # k = 0, 1, 2 order gives 0.
   terms = jnp.array([[[1e8], [1.0], [-1e8]]], jnp.float32)  # [R=1, K=3, D=1]
-  out = reference.combine_in_order(terms, jnp.ones((1, 3), jnp.float32))
+  out = xla.combine_in_order(terms, jnp.ones((1, 3), jnp.float32))
   assert float(out[0, 0]) == 0.0
 
 
@@ -280,3 +280,14 @@ def test_triton_lowering(config, bits, monkeypatch):
 def test_tpu_lowering(mode):
   text = _lower("tpu", "prefetch", tuning.BlockConfig(mode=mode), rows=2).as_text()
   assert text.count("tpu_custom_call") == 2  # gate/up and down, each one Mosaic kernel
+
+
+def test_kernel_package_imports_nothing_from_glmjax():
+  """pallas_kernels stands alone (as megablox does beside MaxText's layers)."""
+  import subprocess
+  import sys
+  code = ("import sys, pallas_kernels, pallas_kernels.ops, pallas_kernels.xla, pallas_kernels.cpu, "
+          "pallas_kernels.cpu_ffi; bad = [m for m in sys.modules if m.split('.')[0] == 'glmjax']; "
+          "assert not bad, bad")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-2000:]

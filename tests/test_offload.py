@@ -11,8 +11,8 @@ import pytest
 
 import glmjax
 from glmjax.errors import InputError
-from glmjax.expert_io import ExpertIOError
-from glmjax.tiers import REPIN_MARGIN, REPIN_RATIO, HostCache, should_repin
+from glmjax.offload.expert_io import ExpertIOError
+from glmjax.offload.tiers import REPIN_MARGIN, REPIN_RATIO, HostCache, should_repin
 from hf_reference import make_hf, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,20 +134,20 @@ def test_lfru_hysteresis():
 
 
 def test_lfru_repins_a_hot_expert(store):
-  """A device tier of 1 slot: the first-used expert is pinned; a much hotter one replaces it."""
+  """A device tier of 1 slot holding an expert the prompt does not use: a hot one replaces it."""
   path, chunk, layers = store
   # Prefetch off: a landed prefetch may take the free slot first, which timing decides.
   model = glmjax.load(path, progress=False, device_cache_gb=layers * chunk / GB, host_cache_gb=0,
                       prefetch=False)
   eng = model.engine
-  eng.heat.h.clear()
   layer = eng.moe_layers[0]
-  model.generate(PROMPT, 4, stop_ids=[])  # the first expert used takes the free slot
-  first = eng.device[layer].expert_in[0]
-  assert first is not None
-  eng.heat.h[(layer, first)] = 0.0  # it turns cold: the next hot expert must replace it
+  model.generate(PROMPT, 8, stop_ids=[])
+  # Pin an expert this prompt never uses: the hot ones must replace it.
+  cold = min(range(16), key=lambda e: (eng.heat[(layer, e)], e))
+  eng.device[layer].install(cold, eng.store.read(layer, cold), 0)
+  eng.heat.h[(layer, cold)] = 0.0
   s = model.generate(PROMPT, 24, stop_ids=[]).stats
-  assert s.get("repins", 0) >= 1
+  assert s.get("repins", 0) >= 1 and eng.device[layer].expert_in[0] != cold
   pinned = eng.device[layer].expert_in[0]
   # Whatever sits in the slot is never beaten by the hysteresis rule by a colder expert.
   for e in range(16):
@@ -232,8 +232,9 @@ def _peak_rss(path, host_gb):
 def big_store(tmp_path_factory):
   """A store whose experts (≈90 MB) dwarf RSS noise (±15 MB run to run)."""
   import ml_dtypes
-  from glmjax import checkpoint, weights
-  from glmjax.config import Config
+  from glmjax.formats import checkpoint
+  from glmjax.model import weights
+  from glmjax.model.config import Config
   base = tmp_path_factory.mktemp("big")
   cfg = Config.from_dict({
       "model_type": "glm_moe_dsa", "vocab_size": 96, "hidden_size": 384, "intermediate_size": 256,
@@ -252,7 +253,7 @@ def big_store(tmp_path_factory):
 def test_peak_rss_within_budget(big_store):
   path, total, chunk = big_store
   budget = 8 << 20
-  # Stated margin (glmjax/budget.py): the transient working set of one step, 2 × min(E, rows·K)
+  # Stated margin (glmjax/offload/budget.py): the transient working set of one step, 2 × min(E, rows·K)
   # chunks (its union of experts as bytes, stacked, and as a device pool: ≈ 30 MB at 64 rows),
   # plus 32 MB for dequantization temporaries, the engine's dense weights and allocator slack.
   # Observed growth at an 8 MB budget: 36–54 MB.
@@ -270,8 +271,8 @@ def test_cache_aware_routing_matches_definition():
   """Chosen experts: true top-J, then resident ones among the top-M in rank order, then the
   best-ranked others (a loop reference over biased scores)."""
   import jax.numpy as jnp
-  from glmjax.config import Config
-  from glmjax.moe import route_cache_aware
+  from glmjax.model.config import Config
+  from glmjax.model.moe import route_cache_aware
   cfg = Config.from_dict({
       "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
       "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,

@@ -65,7 +65,7 @@ def test_cached_decode_matches_score_and_transformers(case):
   ref_argmax = want[len(prompt) - 1:-1].argmax(-1)
   np.testing.assert_array_equal(result.tokens, ref_argmax)
   # And the cached (prefill + absorbed decode) logits equal score() at every position.
-  from glmjax.model import decode_fn, init_cache, prefill_fn
+  from glmjax.model.forward import decode_fn, init_cache, prefill_fn
   import jax.numpy as jnp
   cfg, w = model.config, model.weights
   cache = init_cache(cfg, 1, 64)

@@ -1,4 +1,4 @@
-"""Tests for glmjax.quant: quantization error, packing layout, FP8 blocks."""
+"""Tests for glmjax.model.quant: quantization error, packing layout, FP8 blocks."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glmjax import quant
+from glmjax.model import quant
 
 QMAX = {4: 7, 8: 127}
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 import glmjax
-from glmjax import embedded
+from glmjax.formats import embedded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import glmjax
-from glmjax import embedded, store, tiers
+from glmjax.formats import embedded, store
+from glmjax.offload import tiers
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
-from glmjax.expert_io import ExpertIOError
+from glmjax.offload.expert_io import ExpertIOError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1 << 30
@@ -149,7 +150,7 @@ def test_generate_zero_tokens_with_draft():
 
 
 def _nan_source(tmp_path):
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   src = embedded.ensure(progress=False)
   dst = str(tmp_path / "nan")
   shutil.copytree(src, dst)

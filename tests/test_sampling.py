@@ -1,4 +1,4 @@
-"""glmjax.sampling against a float64 numpy sort-based reference.
+"""glmjax.decoding.sampling against a float64 numpy sort-based reference.
 
 Kept sets are compared exactly. The implementation sums probabilities in float32, so random cases
 place top_p / min_p away from the reference's cumulative-mass and ratio boundaries (see _mid_p and
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax import sampling as S
+from glmjax.decoding import sampling as S
 
 BIG_V = 154_880
 

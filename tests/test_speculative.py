@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import glmjax
-from glmjax import checkpoint, speculative, weights
+from glmjax.formats import checkpoint
+from glmjax.decoding import speculative
+from glmjax.model import weights
 from hf_reference import rel_err, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,15 +205,15 @@ def test_prefetch_changes_no_output_and_counters_add_up(random_store):
 def test_pilot_recall_matches_independent_routing(random_store):
   """The engine's pilot recall over one teacher-forced forward equals a recomputation with
   the pure model functions: layer L+1's router on layer L's post-attention residual, against
-  L+1's actual routing (same int4 experts, resident, through glmjax.moe.moe)."""
+  L+1's actual routing (same int4 experts, resident, through glmjax.model.moe.moe)."""
   import dataclasses
   import jax
-  from glmjax import attention as att
-  from glmjax.layers import rms_norm, swiglu
-  from glmjax.model import moe_block as moe_fn
-  from glmjax.moe import route
-  from glmjax.store import ExpertStore
-  from glmjax.weights import MoE
+  from glmjax.model import attention as att
+  from glmjax.model.layers import rms_norm, swiglu
+  from glmjax.model.forward import moe_block as moe_fn
+  from glmjax.model.moe import route
+  from glmjax.formats.store import ExpertStore
+  from glmjax.model.weights import MoE
   model = glmjax.load(random_store, progress=False, device_cache_gb=0,
                       host_cache_gb=_budget(random_store, 4), pilot_k=3, couple_k=0)
   toks = np.asarray([PROMPT + [30, 31, 32, 33]])

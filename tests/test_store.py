@@ -92,7 +92,7 @@ def fake_quant(w, g=64, qmax=7):
 
 
 def test_store_equals_fake_quant_reference(src, dst_f32, tmp_path):
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   ref_dir = str(tmp_path / "fq")
   shutil.copytree(src, ref_dir)
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
@@ -117,7 +117,7 @@ def test_fp8_source(src, tmp_path):
   assert "quantization_config" not in cfg  # the store is no longer FP8
   # FP8 dequantization is exact: the FP8 store's experts are bit-identical to those converted
   # from a float32 checkpoint holding a float64 loop's dequantization of the same FP8 tensors.
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   f8 = SafetensorsFile(os.path.join(fp8, "model.safetensors"))
   deq = {}
   for k in f8.keys():
@@ -176,7 +176,7 @@ def test_arrays_open_with_plain_tensorstore(src, dst):
     q[:, grp * g:grp * g + g // 2] = (b & 15) - 8
     q[:, grp * g + g // 2:(grp + 1) * g] = (b >> 4) - 8
   w = (q.reshape(q.shape[0], -1, g) * scales[..., None]).reshape(q.shape[0], -1)[:, :48]
-  from glmjax.safetensors_io import SafetensorsFile
+  from glmjax.formats.safetensors_io import SafetensorsFile
   ref = np.asarray(SafetensorsFile(os.path.join(src, "model.safetensors")).read(
       f"model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"))
   step = np.repeat(scales, g, axis=1)[:, :48]
@@ -222,7 +222,7 @@ def test_corrupt_expert_chunk_names_layer_and_expert(dst, tmp_path):
 
 
 def _bad_source(src, tmp_path, edit):
-  from glmjax.safetensors_io import SafetensorsFile, write
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
   path = str(tmp_path / "badsrc")
   shutil.copytree(src, path)
   f = SafetensorsFile(os.path.join(path, "model.safetensors"))

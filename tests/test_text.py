@@ -1,4 +1,4 @@
-"""Tokenizer, streaming detokenization, chat rendering and stop strings (glmjax.text)."""
+"""Tokenizer, streaming detokenization, chat rendering and stop strings (glmjax.decoding.text)."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from glmjax import text  # noqa: E402
+from glmjax.decoding import text  # noqa: E402
 from text_fixtures import GLM_LIKE_TEMPLATE, make_tokenizer_dir  # noqa: E402
 
 UNICODE_SAMPLES = [

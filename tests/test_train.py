@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glmjax.model import forward
-from glmjax.moe import route
-from glmjax.mtp import mtp_logits
+from glmjax.model.forward import forward
+from glmjax.model.moe import route
+from glmjax.model.mtp import mtp_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,7 +120,7 @@ def test_capacity_drops_are_counted(te, cfg):
 
 
 def test_eval_windows_score_each_position_once():
-  from glmjax.corpus import windows
+  from glmjax.formats.corpus import windows
   for n, ctx, stride in ((10, 4, 2), (3, 4, 2), (1000, 256, 128), (700, 256, 512)):
     seen = []
     for s, e, first in windows(n, ctx, stride):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from glmjax.text import GLM_SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
+from glmjax.decoding.text import GLM_SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
 
 # A GLM-5-like chat template, written for these tests: role tokens with no newline after them,
 # and an assistant prompt that closes (thinking off) or opens (thinking on) the <think> block.

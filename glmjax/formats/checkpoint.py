@@ -2,7 +2,7 @@
 
 A directory holds `config.json` and either `model.safetensors` or a sharded
 `model.safetensors.index.json`. Every tensor is matched against the abstract declaration in
-`glmjax.weights`: a missing or unexpected tensor, or a shape mismatch, is an error naming it.
+`glmjax.model.weights`: a missing or unexpected tensor, or a shape mismatch, is an error naming it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from glmjax.config import Config
+from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
-from glmjax.safetensors_io import SafetensorsFile, write
-from glmjax.weights import ArrayInfo, Weights, abstract, leaves_with_info, map_infos
+from glmjax.formats.safetensors_io import SafetensorsFile, write
+from glmjax.model.weights import ArrayInfo, Weights, abstract, leaves_with_info, map_infos
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -138,7 +138,7 @@ def read_float(ckpt: HFCheckpoint, name: str, fp8_block=None, check_finite=False
     scale = name + SCALE_SUFFIX
     if scale not in ckpt.names():
       raise CheckpointError(f"{ckpt.path}: FP8 tensor {name} has no {scale}")
-    from glmjax.quant import fp8_block_dequantize
+    from glmjax.model.quant import fp8_block_dequantize
     try:
       a = np.asarray(fp8_block_dequantize(ckpt.read(name), ckpt.read(scale), fp8_block))
     except ValueError as e:

@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 
 # The XLA kernels' unpacking is the one definition of the nibble layout below.
-from pallas_kernels.reference import dequantize, unpack_int4  # noqa: F401
+from pallas_kernels.xla import dequantize, unpack_int4  # noqa: F401
 
 _QMAX = {4: 7, 8: 127}
 _QMIN = {4: -8, 8: -127}

@@ -18,13 +18,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from glmjax import store
-from glmjax.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names, fp8_block_size,
+from glmjax.formats import store
+from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names, fp8_block_size,
                                plan, read_float)
-from glmjax.config import Config
+from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
-from glmjax.quant import quantize_expert
-from glmjax.weights import MoE, leaves_with_info
+from glmjax.model.quant import quantize_expert
+from glmjax.model.weights import MoE, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
 # Test hook: exit abruptly after this many expert chunks, as a kill would.

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.config import Config
-from glmjax.model import KVCache, bucket, decode_fn, mtp_fn
-from glmjax.mtp import init_mtp_cache
+from glmjax.model.config import Config
+from glmjax.model.forward import KVCache, bucket, decode_fn, mtp_fn
+from glmjax.model.mtp import init_mtp_cache
 
 
 # --- backends: the resident jitted forward, or the offload engine ---------------------------

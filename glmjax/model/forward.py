@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.attention import LayerCache, attention
-from glmjax.config import Config
-from glmjax.layers import F32, linear, rms_norm, swiglu
-from glmjax.moe import combine, expert_outputs, pool_terms, route, route_cache_aware
-from glmjax.mtp import mtp_input, mtp_output_logits
-from glmjax.quant import ExpertPool
-from glmjax.weights import MoE, Weights
+from glmjax.model.attention import LayerCache, attention
+from glmjax.model.config import Config
+from glmjax.model.layers import F32, linear, rms_norm, swiglu
+from glmjax.model.moe import combine, expert_outputs, pool_terms, route, route_cache_aware
+from glmjax.model.mtp import mtp_input, mtp_output_logits
+from glmjax.model.quant import ExpertPool
+from glmjax.model.weights import MoE, Weights
 
 
 @jax.tree_util.register_dataclass

@@ -12,13 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from glmjax.config import Config
-from glmjax.layers import F32, linear, swiglu
-from glmjax.quant import ExpertPool
-from glmjax.weights import Experts
+from glmjax.model.config import Config
+from glmjax.model.layers import F32, linear, swiglu
+from glmjax.model.quant import ExpertPool
+from glmjax.model.weights import Experts
 from pallas_kernels import cpu_ffi
 from pallas_kernels.ops import grouped_terms
-from pallas_kernels.reference import combine_in_order, expert_terms
+from pallas_kernels.xla import combine_in_order, expert_terms
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
 # weights to a sorted ragged matmul, whose cost does not grow with duplicated experts.

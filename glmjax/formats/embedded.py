@@ -16,7 +16,8 @@ import os
 from glmjax.errors import GlmjaxError
 
 NAME = "glm5-stdlib-py-v1"
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded_model")
+# The shipped files sit at the package root (glmjax/embedded_model/), beside this wing.
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "embedded_model")
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "generation_config.json")
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.quant import ExpertPool, ExpertWeights
+from glmjax.model.quant import ExpertPool, ExpertWeights
 
 # LFRU re-pin hysteresis: a candidate replaces the coldest pinned expert only when its heat
 # exceeds the incumbent's by 25% plus 4 uses, so two near-equal experts never ping-pong.

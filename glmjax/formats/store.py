@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.config import Config
-from glmjax.checkpoint import require_finite
+from glmjax.model.config import Config
+from glmjax.formats.checkpoint import require_finite
 from glmjax.errors import CheckpointError
-from glmjax.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
-from glmjax.weights import MoE, Weights, abstract, is_info
+from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
+from glmjax.model.weights import MoE, Weights, abstract, is_info
 
 FORMAT = "glmjax-expert-store"
 FORMAT_VERSION = 1

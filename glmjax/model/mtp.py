@@ -8,7 +8,7 @@ For main-model position i with final pre-norm hidden state h_i and the next toke
   logits_i = head(rms_norm(h'_i, head_norm))   predicting t_{i+2}
 
 `head` is the MTP layer's own `shared_head.head` when the checkpoint has one, else the main
-lm_head (or the embedding when tied). The block itself runs through glmjax.model.mtp_forward,
+lm_head (or the embedding when tied). The block itself runs through glmjax.model.forward.mtp_forward,
 the one MTP step for training (teacher forcing over a whole sequence), speculative drafting and
 the offload engine.
 """
@@ -19,10 +19,10 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from glmjax.attention import LayerCache
-from glmjax.config import Config
-from glmjax.layers import F32, linear, rms_norm
-from glmjax.weights import MTP, Weights
+from glmjax.model.attention import LayerCache
+from glmjax.model.config import Config
+from glmjax.model.layers import F32, linear, rms_norm
+from glmjax.model.weights import MTP, Weights
 
 
 def _head(w: Weights, m: MTP):
@@ -53,13 +53,13 @@ def mtp_logits(w: Weights, h, next_tokens, cfg: Config, positions=None, block: C
     next_tokens: `[B, S]` int, t_{i+1} for each position i.
     positions: `[S]` positions of the MTP sequence (default 0..S-1); only with `block`.
     block: `block(layer, u, positions) -> h'`, a training variant of the decoder block; by
-      default the MTP step is glmjax.model.mtp_forward (the one inference path).
+      default the MTP step is glmjax.model.forward.mtp_forward (the one inference path).
 
   Returns:
     (logits `[B, S, V]` predicting t_{i+2}, the MTP block's output residual `[B, S, D]`).
   """
   if block is None:
-    from glmjax.model import mtp_forward
+    from glmjax.model.forward import mtp_forward
     logits, x, _ = mtp_forward(w, h, next_tokens, cfg, depth=depth)
     return logits, x
   m = w.mtp[depth]

@@ -17,9 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from glmjax.config import Config
-from glmjax.layers import F32, LATENT_NORM_EPS, layer_norm, linear, rms_norm, rope_angles, rope_interleaved
-from glmjax.weights import Attention, Indexer
+from glmjax.model.config import Config
+from glmjax.model.layers import F32, LATENT_NORM_EPS, layer_norm, linear, rms_norm, rope_angles, rope_interleaved
+from glmjax.model.weights import Attention, Indexer
 
 
 @jax.tree_util.register_dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import psutil
 
-from glmjax.engine import Budgets
+from glmjax.offload.engine import Budgets
 from glmjax.errors import InputError
 
 GiB = 1 << 30

@@ -65,8 +65,9 @@ def split(root: str | None = None) -> tuple[list[str], list[str]]:
   return train, [f for f in HELD_OUT if f in present]
 
 
-REPO_HELD_OUT = ("api.py", "attention.py", "checkpoint.py", "config.py", "layers.py", "model.py",
-                 "moe.py", "weights.py", "text.py", "sampling.py")
+REPO_HELD_OUT = ("api.py", "model/attention.py", "formats/checkpoint.py", "model/config.py",
+                 "model/layers.py", "model/forward.py", "model/moe.py", "model/weights.py",
+                 "decoding/text.py", "decoding/sampling.py")
 
 
 def non_stdlib_files() -> list[str]:
@@ -74,7 +75,7 @@ def non_stdlib_files() -> list[str]:
 
   JAX array code with type hints and long docstrings, a different style from the stdlib.
   """
-  here = os.path.dirname(os.path.abspath(__file__))
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the glmjax package
   return [os.path.join(here, f) for f in REPO_HELD_OUT if os.path.exists(os.path.join(here, f))]
 
 

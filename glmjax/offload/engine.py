@@ -1,4 +1,4 @@
-"""The offload engine: the one forward pass (glmjax.model.forward) driven step by step, its
+"""The offload engine: the one forward pass (glmjax.model.forward.forward) driven step by step, its
 routed experts resolved against three tiers (device pool → host LRU → store on disk).
 
 Per MoE layer step (`_tiered`, the engine's expert provider):
@@ -37,16 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.config import Config
-from glmjax.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
-from glmjax.layers import F32, rms_norm
-from glmjax.model import JITTED, KVCache, bucket, forward, mtp_forward, valid_rows
-from glmjax.moe import pool_terms, resolve_kernel
-from glmjax.quant import ExpertPool, ExpertWeights
-from glmjax.store import ExpertStore
-from glmjax.tiers import (DevicePool, Heat, HostCache, as_device_pool, atomic_write, empty_pool,
-                          should_repin)
-from glmjax.weights import MoE, Weights
+from glmjax.formats.store import ExpertStore
+from glmjax.model.config import Config
+from glmjax.model.forward import JITTED, KVCache, bucket, forward, mtp_forward, valid_rows
+from glmjax.model.layers import F32, rms_norm
+from glmjax.model.moe import pool_terms, resolve_kernel
+from glmjax.model.quant import ExpertPool, ExpertWeights
+from glmjax.model.weights import MoE, Weights
+from glmjax.offload.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
+from glmjax.offload.tiers import (DevicePool, Heat, HostCache, as_device_pool, atomic_write,
+                                  empty_pool, should_repin)
 from pallas_kernels import cpu
 
 USAGE_FILE = "usage.json"
@@ -198,7 +198,7 @@ class OffloadEngine:
 
   def resident_weights(self) -> Weights:
     """With every expert resident: the dense weights with each MoE layer's pool as its experts,
-    for the one-jit resident path (glmjax.model's entry points)."""
+    for the one-jit resident path (glmjax.model.forward's entry points)."""
     def fill(i, lw):
       if not isinstance(lw.mlp, MoE):
         return lw

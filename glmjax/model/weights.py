@@ -2,7 +2,7 @@
 
 `abstract(cfg)` returns a `Weights` tree whose leaves are `ArrayInfo` (shape, dtype, logical
 axes, HF tensor name, init). That single declaration drives random init (`init`), checkpoint
-loading (`glmjax.checkpoint`), checkpoint writing and, later, sharding. Matrices keep the HF
+loading (`glmjax.formats.checkpoint`), checkpoint writing and, later, sharding. Matrices keep the HF
 orientation `[out, in]`, so loading never transposes; gate and up projections are fused into one
 `[2F, D]` matrix (rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.config import Config
+from glmjax.model.config import Config
 
 
 def _pytree(cls):

@@ -1,0 +1,1 @@
+"""Decoding: the sampler, MTP speculative decoding, tokenizer and chat text."""
