@@ -6,16 +6,18 @@
 For each (device, host) budget, given as fractions of the store's expert bytes, a fresh engine
 generates --tokens greedy tokens from the same prompt, with the store dropped from the page cache
 first (--cold). Reports the hit split (pin / host), misses, bytes read per token, io_service_s
-(time reads took) against io_wait_s (time compute waited), and decode tok/s; medians over
---repeats fresh runs.
+(time reads took) against io_wait_s (time compute waited), decode tok/s, and the warm time to
+score --score_tokens tokens; medians over --repeats fresh runs.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import time
 
 from absl import app, flags, logging
+import numpy as np
 
 from glmjax.reporting import bench_store, store_geometry, write_report
 
@@ -28,10 +30,11 @@ flags.DEFINE_list("budgets", ["0:0", "0:0.25", "0:0.5", "0.25:0", "0.25:0.5", "0
                   "device:host fractions of the total expert bytes.")
 flags.DEFINE_bool("cold", True, "Drop the store's pages from the OS page cache before each run.")
 flags.DEFINE_integer("io_workers", 4, "Expert read threads.")
+flags.DEFINE_integer("score_tokens", 1024, "Tokens scored (teacher-forced) per budget; 0 = skip.")
 flags.DEFINE_string("out", None, "JSON output path (default: stdout).")
 
 KEYS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "experts_used",
-        "expert_bytes_read", "io_service_s", "io_wait_s", "decode_tok_s")
+        "expert_bytes_read", "io_service_s", "io_wait_s", "decode_tok_s", "score_s")
 
 
 def main(argv):
@@ -51,6 +54,13 @@ def main(argv):
                         cold=FLAGS.cold)
     prompt = FLAGS.prompt if model.tokenizer is not None else [5, 6, 7, 8, 9, 10, 11, 12]
     r = model.generate(prompt, FLAGS.tokens, stop_ids=[])
+    if FLAGS.score_tokens:  # warm (compiled, cache filled) scoring time of one long sequence
+      toks = np.random.default_rng(0).integers(3, model.config.vocab_size, (1, FLAGS.score_tokens))
+      model.score(toks)
+      t0 = time.perf_counter()
+      model.score(toks)
+      r.stats["score_s"] = time.perf_counter() - t0
+    model.close()
     return r
 
   run(0, 0)  # compile every step shape once, outside the measurements
