@@ -211,6 +211,7 @@ def test_pool_terms_jax_under_jit_is_bitwise_equal(with_active):
     active = None
   kw = _kw(pool)
   want = cpu.pool_terms(x, *_args(pool), ids, active, **kw)
+  compiled = len(cpu._moe.signatures)  # pylint: disable=protected-access
 
   @jax.jit
   def f(x, gp, gs, dp, ds, ids, act):
@@ -222,8 +223,9 @@ def test_pool_terms_jax_under_jit_is_bitwise_equal(with_active):
           None if active is None else jnp.asarray(active))
   assert got.dtype == jnp.float32 and got.shape == want.shape
   np.testing.assert_array_equal(np.asarray(got), want)
-  # Writable numpy and read-only jax buffers reach numba with the same types: one compile.
-  assert len(cpu._moe.signatures) == 1  # pylint: disable=protected-access
+  # Writable numpy and read-only jax buffers reach numba with the same types: no new compile.
+  # (pallas_kernels.cpu_ffi's custom call adds one specialization of its own, for raw buffers.)
+  assert len(cpu._moe.signatures) == compiled  # pylint: disable=protected-access
 
 
 def test_bad_inputs_raise():
