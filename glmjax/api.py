@@ -462,8 +462,9 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
     raise CheckpointError(f"{path}: model directory not found")
   if not store.is_store(path):
     if opts.offload_set:
-      raise InputError(f"{path}: offload options (device_cache_gb, host_cache_gb, io_workers, "
-                       "cold) need an expert store; convert it with scripts/convert.py")
+      raise InputError(f"{path}: offload options (device_cache_gb, host_cache_gb, "
+                       "expert_compute, io_workers, cold, prefetch, pilot_k, couple_k, "
+                       "cache_route) need an expert store; convert it with scripts/convert.py")
     cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
     return Model(cfg, weights, opts, path)
 

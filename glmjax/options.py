@@ -89,8 +89,8 @@ class Options:
   def offload_set(self) -> bool:
     """Whether any offload option differs from its default."""
     return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold,
-            self.prefetch, self.pilot_k, self.couple_k, self.cache_route) != (
-                None, None, 4, False, True, 6, 4, False)
+            self.prefetch, self.pilot_k, self.couple_k, self.cache_route,
+            self.expert_compute) != (None, None, 4, False, True, 6, 4, False, "device")
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> "Options":

@@ -69,6 +69,10 @@ def test_bad_options():
     glmjax.load(None, devcie_cache_gb=3)
   with pytest.raises(InputError, match="moe_kernel"):
     glmjax.load(None, moe_kernel="cuda")
+  with pytest.raises(InputError, match="expert_compute"):
+    glmjax.load(None, expert_compute="gpu")
+  with pytest.raises(InputError, match="need an expert store"):
+    glmjax.load(None, expert_compute="host")  # the embedded model is an HF checkpoint
 
 
 def _run(*args):

@@ -16,7 +16,6 @@ from glmjax.model.config import Config
 from glmjax.model.layers import F32, linear, swiglu
 from glmjax.model.quant import ExpertPool
 from glmjax.model.weights import Experts
-from pallas_kernels import cpu_ffi
 from pallas_kernels.ops import grouped_terms
 from pallas_kernels.xla import combine_in_order, expert_terms
 
@@ -136,6 +135,9 @@ def pool_terms(x, pool: ExpertPool, slot_ids, active, kernel: str = "auto"):
   kernel = resolve_kernel(kernel)
   active = jnp.broadcast_to(active, slot_ids.shape)
   if kernel == "cpu":
+    # Imported on first use: loading the compiled custom call costs ~0.5 s (cached) to ~15 s
+    # (first run after install), which models without quantized pools never need.
+    from pallas_kernels import cpu_ffi
     gu, dn = pool.gate_up, pool.down
     return cpu_ffi.pool_terms_xla(x.astype(F32), gu.packed, gu.scales, dn.packed, dn.scales,
                                   slot_ids, active, bits=gu.bits, group_size=gu.group_size,
