@@ -26,6 +26,13 @@ def _bucket(n: int) -> int:
   return bucket(n, _MIN_BUCKET)
 
 
+def _padded(prompt_ids: np.ndarray, start: int, capacity: int):
+  """`[1, S]` prompt right-padded to its bucket (within the cache's room after `start`): the
+  shape every prefill of these ids compiles for, first run and replay alike."""
+  n = len(prompt_ids)
+  return jnp.asarray(np.pad(prompt_ids, (0, min(_bucket(n), capacity - start) - n))[None])
+
+
 @dataclasses.dataclass
 class GenerationResult:
   """What `Model.generate` returns.
@@ -218,11 +225,10 @@ class Model:
     """Prefills `prompt_ids` after the cache's contents, then decodes. Returns (result, cache)."""
     n, start = len(prompt_ids), int(cache.length)
     cap = cache.layers[0].latent.shape[1]
-    padded = min(_bucket(n), cap - start)
-    if start + n + req.max_new_tokens > cap or padded < n:
+    if start + n + req.max_new_tokens > cap or min(_bucket(n), cap - start) < n:
       raise InputError(f"context full: {start} cached + {n} prompt + {req.max_new_tokens} new "
                        f"tokens exceed the cache capacity {cap}")
-    toks = jnp.asarray(np.pad(prompt_ids, (0, padded - n))[None])  # [1, S]
+    toks = _padded(prompt_ids, start, cap)
     before = self.engine.telemetry() if self.engine else {}
     if draft and req.max_new_tokens:
       stats = self._speculate(cache, toks, n, req, draft, on_round)
@@ -430,7 +436,7 @@ class ChatSession:
     cache = init_cache(self.model.config, 1, self.capacity)
     for common, prompt, decoded in self._feeds:
       n = len(prompt)
-      toks = jnp.asarray(np.pad(prompt, (0, min(_bucket(n), self.capacity - common) - n))[None])
+      toks = _padded(prompt, common, self.capacity)
       cache = KVCache(cache.layers, jnp.asarray(common, jnp.int32))
       prefill, decode = steps(cache, toks)
       _, cache = prefill(cache, toks, n)

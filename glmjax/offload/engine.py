@@ -301,12 +301,11 @@ class OffloadEngine:
     """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers."""
     valid = valid_rows(x.shape, n_valid)  # [T] bool: real tokens
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
-      real = valid
-      swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[real].sum(axis=0))
+      swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[valid].sum(axis=0))
       self.stats["route_swaps"] += swaps
       self.stats["route_overlap_sum"] += overlap
       self.stats["route_kl_sum"] += kl
-      self.stats["route_tokens"] += int(real.sum())
+      self.stats["route_tokens"] += int(valid.sum())
     nxt = self._next_moe(layer) if layer < self.cfg.num_hidden_layers else None
     pilot = None
     if self.prefetch and self.pilot_k and nxt is not None:
@@ -400,8 +399,8 @@ class OffloadEngine:
     for e in step.union:
       if e in arrived:
         self._put_host((step.layer, e), arrived[e], protect)
-    self._admit(step.layer, step.union, {e: b for e in step.union
-                                         for b in [cached.get(e, arrived.get(e))] if b is not None})
+    held = {**cached, **arrived}
+    self._admit(step.layer, step.union, {e: held[e] for e in step.union if e in held})
     out = jnp.asarray(host_terms)
     if device_terms is not None:
       active, terms = device_terms
@@ -415,19 +414,13 @@ class OffloadEngine:
     out[t, k] = cpu.expert_ffn(step.x[t], gu.packed, gu.scales, dn.packed, dn.scales, gu.bits,
                                gu.group_size, dn.out_features, dn.in_features)
 
-  def _active(self, step: _Step, experts) -> np.ndarray:
-    active = np.zeros(step.ids.shape, bool)
-    for e in experts:
-      t, k = step.pairs[e]
-      active[t, k] = True
-    return active
-
   def _device_terms(self, step: _Step, pool: ExpertPool, slot_of: dict, experts):
     """(active `[T, K]`, device terms) of `experts` held in a device `pool`."""
-    active = self._active(step, experts)
+    active = np.zeros(step.ids.shape, bool)
     slots = np.zeros(step.ids.shape, np.int32)
     for e in experts:
       t, k = step.pairs[e]
+      active[t, k] = True
       slots[t, k] = slot_of[e]
     terms = pool_terms_step(jnp.asarray(step.x), pool, jnp.asarray(slots), jnp.asarray(active),
                             kernel=self.kernel)
