@@ -26,6 +26,7 @@ setup(
         "psutil>=5.9",
         "optax>=0.2",
         "numba>=0.60",
+        "matplotlib>=3.8",
     ],
     extras_require={
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a

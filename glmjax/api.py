@@ -15,7 +15,8 @@ import numpy as np
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
 from glmjax.model.config import Config
-from glmjax.model.forward import KVCache, bucket, decode_fn, init_cache, prefill_fn, score_fn
+from glmjax.model.forward import (KVCache, RecordOptions, bucket, decode_fn, init_cache,
+                                  prefill_fn, record_fn, score_fn, stack_records)
 from glmjax.model.weights import Weights
 from glmjax.options import Options
 
@@ -102,34 +103,78 @@ class Model:
       self._compiled[key] = fn.lower(*args, **static).compile()
     return self._compiled[key]
 
-  def _steps(self, cache: KVCache, toks):
-    """(prefill, decode) callables for this model: (cache, tokens[, n_valid]) → (logits, cache)."""
+  def _steps(self, cache: KVCache, toks, recorder=None):
+    """(prefill, decode) callables for this model: (cache, tokens[, n_valid]) → (logits, cache).
+    With a `recorder` (glmjax.replay.record.LiveRecorder) each forward's routing is recorded."""
+    opts = RecordOptions()
+
+    def keep(tokens, records, n):  # the real positions of one forward (batch 1)
+      recorder.add(np.asarray(tokens)[0, :n], records, slice(0, n))
+
     if self.offloaded:
       eng = self.engine
 
       def prefill(cache, toks, n_valid):
-        logits, _, cache = eng.forward(toks, cache, n_valid=n_valid)
+        rec = [] if recorder is not None else None
+        logits, _, cache = eng.forward(toks, cache, n_valid=n_valid, record=rec)
+        if recorder is not None:
+          keep(toks, stack_records(rec), n_valid)
         return logits[:, n_valid - 1], KVCache(cache.layers, cache.length + n_valid)
 
       def decode(cache, tok):
-        logits, _, cache = eng.forward(tok, cache, absorbed=True)
+        rec = [] if recorder is not None else None
+        logits, _, cache = eng.forward(tok, cache, absorbed=True, record=rec)
+        if recorder is not None:
+          keep(tok, stack_records(rec), 1)
         return logits[:, 0], KVCache(cache.layers, cache.length + 1)
 
       return prefill, decode
     cfg, w, kernel = self.config, self.weights, self.options.moe_kernel
     n = jnp.asarray(1, jnp.int32)
-    pre = self._compile("prefill", prefill_fn, w, cache, toks, n, cfg=cfg, kernel=kernel)
-    step = self._compile("decode", decode_fn, w, cache, toks[:, :1], cfg=cfg, kernel=kernel)
+    record = opts if recorder is not None else None
+    tag = "" if record is None else "+record"
+    pre = self._compile("prefill" + tag, prefill_fn, w, cache, toks, n, cfg=cfg, kernel=kernel,
+                        record=record)
+    step = self._compile("decode" + tag, decode_fn, w, cache, toks[:, :1], cfg=cfg,
+                         kernel=kernel, record=record)
 
     def prefill(cache, toks, n_valid):
-      logits, _, cache = pre(w, cache, toks, jnp.asarray(n_valid, jnp.int32))
-      return logits, cache
+      out = pre(w, cache, toks, jnp.asarray(n_valid, jnp.int32))
+      if recorder is not None:
+        keep(toks, out[3], n_valid)
+      return out[0], out[2]
 
     def decode(cache, tok):
-      logits, _, cache = step(w, cache, tok)
-      return logits[:, 0], cache
+      out = step(w, cache, tok)
+      if recorder is not None:
+        keep(tok, out[3], 1)
+      return out[0][:, 0], out[2]
 
     return prefill, decode
+
+  def record_routing(self, tokens, opts: RecordOptions = RecordOptions(),
+                     fetch: bool = True) -> dict:
+    """Teacher-forced routing of int tokens `[B, S]`: per MoE layer, each position's top-k ids
+    and weights, the top-M selection scores and the pilot's prediction of the next MoE layer,
+    as numpy arrays `[L, B·S, ...]` (`glmjax.model.forward.route_record`). Recorded inside the
+    jit for resident models; through the engine's layer steps for offloaded ones.
+    `fetch=False` returns device arrays without waiting for them (pipelined replays)."""
+    self._check_open()
+    arr = self._tokens(tokens, 2)
+    if self.offloaded:
+      rec: list = []
+      self.engine.forward(arr, record=rec, record_opts=opts)
+      out = stack_records(rec)
+    else:
+      out = record_fn(self.weights, jnp.asarray(arr), cfg=self.config,
+                      kernel=self.options.moe_kernel, opts=opts)
+    return {k: np.asarray(v) for k, v in out.items()} if fetch else out
+
+  @property
+  def moe_layers(self) -> list[int]:
+    """Indices of the main model's MoE layers (a trace's layer axis)."""
+    from glmjax.model.weights import MoE
+    return [i for i, l in enumerate(self.weights.layers) if isinstance(l.mlp, MoE)]
 
   # --- public ----------------------------------------------------------------------------
   def score(self, tokens) -> np.ndarray:
@@ -148,7 +193,8 @@ class Model:
                repetition_penalty: float = 1.0, stop_ids: Sequence[int] | None = None,
                stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None,
                on_text: Callable[[str], None] | None = None, draft: int | str = 0,
-               on_round: Callable[[dict], None] | None = None) -> GenerationResult:
+               on_round: Callable[[dict], None] | None = None,
+               trace: str | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` after `prompt_tokens` (ids, or text when the model has a
     tokenizer).
 
@@ -160,8 +206,16 @@ class Model:
     (0 included) from live throughput. Greedy output is identical to plain decoding; sampled
     output keeps the plain sampler's distribution. `on_round` (debugging) receives each verify
     round's position, tokens, logits and accepted count.
+
+    `trace` writes a routing trace of this run to that directory (glmjax.replay.Trace): every
+    forward pass is a step; offloaded models also record the tiers' starting state, so
+    `glmjax.replay.simulate(trace, "engine", ...)` can replay the run. Not with `draft` yet.
     """
     self._check_open()
+    if trace is not None and os.path.lexists(trace):
+      raise InputError(f"trace {trace}: already exists; a trace is never written over another")
+    if trace is not None and draft:
+      raise InputError("trace= records plain decoding; speculative runs (draft) are not traced")
     ids = (self.tokenizer.encode(prompt_tokens)
            if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
     prompt_ids = self._tokens(ids, 1)
@@ -172,10 +226,21 @@ class Model:
       raise InputError(f"{self.path}: draft={draft!r} needs an MTP layer; this model has none")
     request = self._request(prompt_ids, max_new_tokens, temperature, seed, top_k, top_p, min_p,
                             repetition_penalty, stop_ids, stop, on_token, on_text)
+    if trace is not None:
+      request.recorder = self._recorder(trace)
     cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
                                                    len(prompt_ids) + max_new_tokens)))
     result, _ = self._run(prompt_ids, cache, request, draft, on_round)
+    if trace is not None:
+      request.recorder.save()
     return result
+
+  def _recorder(self, path: str):
+    from glmjax.replay import record
+    eng = self.engine
+    meta = record.manifest(self.config, self.moe_layers, eng.chunk_bytes if eng else 0,
+                           RecordOptions(), source="generate")
+    return record.LiveRecorder(path, meta, eng.tier_state() if self.offloaded else None)
 
   def chat(self, system: str | None = None, enable_thinking: bool = False,
            max_context: int | None = None) -> "ChatSession":
@@ -248,23 +313,26 @@ class Model:
   def _decode_loop(self, cache: KVCache, toks, n: int, req: "_Request"):
     """Plain decoding: prefill, then one token per step (gpt-fast's loop)."""
     t0 = time.perf_counter()
-    prefill, decode = self._steps(cache, toks)
+    prefill, decode = self._steps(cache, toks, req.recorder)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     logits, cache = prefill(cache, toks, n)
     tok = req.picker.pick(logits[0]) if req.max_new_tokens else None
     prefill_s = time.perf_counter() - t0
     first_step_s = None  # the first decode step may include tracing/compilation
-    t0 = time.perf_counter()
+    # The engine compiles its fused step when the cache first holds a whole step's experts,
+    # mid-decode: that time is left out of the steady-state rate too.
+    compiled = lambda: self.engine.stats["fused_compile_s"] if self.engine else 0.0
+    t0, c0 = time.perf_counter(), 0.0
     while req.max_new_tokens and not req.emit(tok):
       logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
       tok = req.picker.pick(logits[0])
       if first_step_s is None:
-        first_step_s = time.perf_counter() - t0
+        first_step_s, c0 = time.perf_counter() - t0, compiled()
     decode_s = time.perf_counter() - t0
     steps = max(len(req.out) - 1, 0)  # decode steps run (the first token comes from the prefill)
     if steps >= 2:  # steady state: from the second decode step on
-      rate = (steps - 1) / max(decode_s - first_step_s, 1e-9)
+      rate = (steps - 1) / max(decode_s - first_step_s - (compiled() - c0), 1e-9)
     else:
       rate = steps / decode_s if steps and decode_s > 0 else 0.0
     return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)), compile_s=compile_s,
@@ -332,6 +400,7 @@ class _Request:
   matcher: Any = None  # text.StopMatcher
   on_token: Callable[[int], None] | None = None
   on_text: Callable[[str], None] | None = None
+  recorder: Any = None  # glmjax.replay.record.LiveRecorder when the run is traced
   out: list = dataclasses.field(default_factory=list)
   pieces: list = dataclasses.field(default_factory=list)
   reason: str = "max_new_tokens"

@@ -150,11 +150,6 @@ def _register() -> None:
       _registered = True
 
 
-def _as_bits(a, dtype):
-  a = jnp.asarray(a)
-  return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
-
-
 def pool_terms_xla(x, gu_packed, gu_scales, dn_packed, dn_scales, slot_ids, active=None, *, bits,
                    group_size, hidden, intermediate):
   """``cpu.pool_terms`` as an XLA custom call (CPU backend), usable inside ``jax.jit``.
@@ -173,7 +168,7 @@ def pool_terms_xla(x, gu_packed, gu_scales, dn_packed, dn_scales, slot_ids, acti
   if active is None:
     active = jnp.ones((t, k), jnp.uint8)
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((t, k, hidden), jnp.float32))
-  return call(meta, jnp.asarray(x, jnp.float32), _as_bits(gu_packed, jnp.uint8),
-              _as_bits(gu_scales, jnp.uint16), _as_bits(dn_packed, jnp.uint8),
-              _as_bits(dn_scales, jnp.uint16), jnp.asarray(slot_ids, jnp.int32),
-              jnp.asarray(active).astype(jnp.uint8))
+  # The pool goes in as it is (bf16 scales, int8 or uint8 codes): the handler reads raw bytes.
+  # A bitcast to uint16/uint8 here would be a copy of the whole pool in every call.
+  return call(meta, jnp.asarray(x, jnp.float32), gu_packed, gu_scales, dn_packed, dn_scales,
+              jnp.asarray(slot_ids, jnp.int32), jnp.asarray(active).astype(jnp.uint8))

@@ -41,6 +41,8 @@ flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
                   "bytes are), auto (per layer step, from measured costs).")
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
                      "config's max_position_embeddings).", lower_bound=1)
+flags.DEFINE_string("trace", None, "Write a routing trace of this run to this directory "
+                    "(glmjax.replay.Trace; not with --draft).")
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
                     "or 'auto' (chosen from live throughput).")
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
@@ -139,8 +141,10 @@ def run(model) -> None:
     print(prompt, end="", flush=True)
     show = dict(on_text=lambda t: print(t, end="", flush=True))
   result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
-                          **show)
+                          trace=FLAGS.trace, **show)
   print("\n" + summary(result))
+  if FLAGS.trace:
+    print(f"trace: {FLAGS.trace}")
 
 
 def main(argv):

@@ -64,6 +64,54 @@ def test_padding_never_routes(embedded_store):
   assert set(heat_gen) == set(heat_score)  # usage statistics see the real tokens only
 
 
+COUNTERS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "experts_used",
+            "expert_bytes_read", "repins", "experts_on_device", "experts_on_host")
+
+
+@pytest.mark.parametrize("device_fraction", [0.0, 0.3])
+def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_fraction):
+  """The fused step (one jit over the CPU tiers, bookkeeping after) gives bitwise the logits
+  and tokens, and exactly the tier counters, of the layer-by-layer path. Forcing an attempt at
+  every step also exercises void attempts (a miss): they re-run through the tiers exactly."""
+  import os, shutil
+  from glmjax.reporting import store_geometry
+  total = store_geometry(embedded_store)["expert_bytes_total"]  # the main layers' experts
+  runs = {}
+  for mode in ("layers", "fused", "forced"):
+    store = tmp_path / mode
+    shutil.copytree(embedded_store, store)  # its own usage history: the same pins for each
+    for name in ("usage.json", "couple.npy"):
+      if os.path.exists(store / name):
+        os.remove(store / name)
+    with glmjax.load(str(store), progress=False, prefetch=False,
+                     device_cache_gb=device_fraction * total / GB,
+                     host_cache_gb=2 * total / GB) as m:
+      eng = m.engine
+      eng.fused = mode != "layers"
+      if mode == "forced":
+        forward = eng.forward
+
+        def always(*a, **k):
+          eng._fused_ready = True
+          return forward(*a, **k)
+        eng.forward = always
+      before = eng.telemetry()
+      out = [m.generate(PROMPT17, 10, stop_ids=[]) for _ in range(3)]
+      logits = m.score([PROMPT17, PROMPT17[::-1]])
+      after = eng.telemetry()
+      runs[mode] = (out, logits, {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS},
+                    after.get("fused_steps", 0), after.get("fused_void", 0))
+  layers = runs["layers"]
+  assert layers[3] == 0
+  for mode in ("fused", "forced"):
+    out, logits, counts, steps, void = runs[mode]
+    assert steps > 0, mode
+    assert [r.tokens for r in out] == [r.tokens for r in layers[0]]
+    np.testing.assert_array_equal(logits, layers[1])
+    assert counts == layers[2], mode
+  assert runs["forced"][4] > 0  # the cold start's misses made attempts void
+
+
 def test_expert_terms_do_not_depend_on_the_batch(embedded_store):
   """A sequence's expert terms are bitwise equal scored alone or beside another sequence."""
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0, host_cache_gb=0,

@@ -114,16 +114,16 @@ def test_zero_budget_reads_every_expert_it_uses(store):
 
 def test_lru_order():
   c = HostCache(3 * 10)
-  blob = lambda: np.zeros(10, np.uint8)
   for k in "abc":
-    c.put(k, blob())
+    c.put(k, 10)
   assert c.keys() == ["a", "b", "c"]
-  c.get("a")  # a becomes most recent
-  c.put("d", blob())  # evicts the least recent: b
+  assert c.touch("a")  # a becomes most recent
+  assert c.put("d", 10) == ["b"]  # evicts the least recent: b
   assert c.keys() == ["c", "a", "d"] and "b" not in c and c.used == 30
-  c.put("huge", np.zeros(31, np.uint8))  # larger than the budget: not cached, nothing evicted
-  assert c.keys() == ["c", "a", "d"]
-  assert HostCache(0).get("x") is None
+  assert c.put("e", 10, protect={"c"}) == ["a"]  # the protected least recent one stays
+  assert c.put("huge", 31) == []  # larger than the budget: not cached, nothing evicted
+  assert c.keys() == ["c", "d", "e"] and "huge" not in c
+  assert not HostCache(0).touch("x")
 
 
 def test_lfru_hysteresis():

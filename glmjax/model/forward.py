@@ -23,7 +23,8 @@ import numpy as np
 from glmjax.model.attention import LayerCache, attention
 from glmjax.model.config import Config
 from glmjax.model.layers import F32, linear, rms_norm, swiglu
-from glmjax.model.moe import combine, expert_outputs, pool_terms, route, route_cache_aware
+from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
+                              route_scores)
 from glmjax.model.mtp import mtp_input, mtp_output_logits
 from glmjax.model.quant import ExpertPool
 from glmjax.model.weights import MoE, Weights
@@ -44,12 +45,14 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
   """An empty cache for `batch` sequences of up to `capacity` positions."""
+  device = jax.devices()[0]  # committed, as every jit's output is: one compiled variant
+
   def layer(i):
-    z = lambda n: jnp.zeros((batch, capacity, n), dtype)
+    z = lambda n: jnp.zeros((batch, capacity, n), dtype, device=device)
     return LayerCache(latent=z(cfg.kv_lora_rank), k_rope=z(cfg.qk_rope_head_dim),
                       index_k=z(cfg.index_head_dim) if cfg.has_indexer(i) else None)
   return KVCache(layers=[layer(i) for i in range(cfg.num_hidden_layers)],
-                 length=jnp.zeros((), jnp.int32))
+                 length=jnp.zeros((), jnp.int32, device=device))
 
 
 def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
@@ -148,6 +151,55 @@ def resident_experts(kernel: str = "auto") -> ExpertProvider:
   return provide
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordOptions:
+  """What `recording` keeps per MoE layer besides the ids: the top `top_m` selection scores and
+  the pilot's top `pilot_p` prediction of the next MoE layer (both capped at E)."""
+  top_m: int = 64
+  pilot_p: int = 16
+
+
+def route_record(m: MoE, next_lw, x, flat, ids, cfg: Config, opts: RecordOptions):
+  """One MoE layer's routing record for `flat` `[T, D]` routed to `ids` `[T, K]` (post-attention
+  residual `x` `[B, S, D]`): a dict of ids, weights `[T, K]`; score_ids, scores `[T, M]`; pilot,
+  pilot_scores `[T, P]`: the next MoE layer's router applied to this layer's residual, ranked
+  by selection score (-1 and 0 when the next layer is not a MoE layer)."""
+  e = cfg.n_routed_experts
+  m_, p_ = min(opts.top_m, e), min(opts.pilot_p, e)
+  w, score_ids, scores = route_scores(flat, m.router, m.bias, cfg, ids, m_)
+  rec = dict(ids=ids, weights=w, score_ids=score_ids, scores=scores)
+  if next_lw is not None:
+    h = rms_norm(x, next_lw.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+    _, pilot, pilot_scores = route_scores(h, next_lw.mlp.router, next_lw.mlp.bias, cfg, ids, p_)
+  else:
+    pilot = jnp.full((flat.shape[0], p_), -1, jnp.int32)
+    pilot_scores = jnp.zeros((flat.shape[0], p_), F32)
+  return {**rec, "pilot": pilot, "pilot_scores": pilot_scores}
+
+
+route_record_step = jax.jit(route_record, static_argnames=("cfg", "opts"))
+
+
+def recording(experts: ExpertProvider, w: Weights, cfg: Config, out: list,
+              opts: RecordOptions = RecordOptions(), jitted: bool = False) -> ExpertProvider:
+  """`experts`, appending each MoE layer's `route_record` to `out` as it goes by (inside a jit
+  the records are traced values: return them; `jitted=True` runs each record as its own jit,
+  for providers called between jitted steps)."""
+  record = route_record_step if jitted else route_record
+
+  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
+    nxt = w.layers[layer + 1] if layer + 1 < len(w.layers) else None
+    nxt = nxt if nxt is not None and isinstance(nxt.mlp, MoE) else None
+    out.append(record(m, nxt, x, flat, ids, cfg=cfg, opts=opts))
+    return experts(layer, m, x, flat, ids, n_valid, route_stats)
+  return provide
+
+
+def stack_records(records: list) -> dict:
+  """Per-layer records → one dict of `[L, T, ...]` arrays."""
+  return {k: jnp.stack([r[k] for r in records]) for k in records[0]}
+
+
 def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   """The routed + shared experts of one MoE layer for `x` `[..., D]` (no residual): route,
   the resident provider, combine; the same pieces as `forward`."""
@@ -231,28 +283,50 @@ def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto"):
   return forward(w, tokens, cfg, experts=resident_experts(kernel))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
-def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts"))
+def record_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto",
+              opts: RecordOptions = RecordOptions()):
+  """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept): per MoE
+  layer (in order), `route_record`'s arrays stacked to `[L, B·S, ...]`."""
+  records: list = []
+  forward(w, tokens, cfg, experts=recording(resident_experts(kernel), w, cfg, records, opts))
+  return stack_records(records)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record"),
+                   donate_argnames=("cache",))
+def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto",
+               record: RecordOptions | None = None):
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache.
 
   Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache advanced by
-  `n_valid`). Padding positions land beyond `length` and are overwritten before any query can
+  `n_valid`), plus the routing records (`record_fn`'s, padding rows included) when `record`
+  is given. Padding positions land beyond `length` and are overwritten before any query can
   see them.
   """
-  logits, x, cache = forward(w, tokens, cfg, cache, experts=resident_experts(kernel),
-                             n_valid=n_valid)
+  records: list = []
+  experts = resident_experts(kernel)
+  if record is not None:
+    experts = recording(experts, w, cfg, records, record)
+  logits, x, cache = forward(w, tokens, cfg, cache, experts=experts, n_valid=n_valid)
   last = n_valid - 1
-  return logits[:, last], x[:, last], KVCache(cache.layers, cache.length + n_valid)
+  out = logits[:, last], x[:, last], KVCache(cache.layers, cache.length + n_valid)
+  return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record"),
                    donate_argnames=("cache",))
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
-              absorbed: bool = True):
-  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S)."""
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed,
-                             experts=resident_experts(kernel))
-  return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+              absorbed: bool = True, record: RecordOptions | None = None):
+  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
+  plus the routing records when `record` is given."""
+  records: list = []
+  experts = resident_experts(kernel)
+  if record is not None:
+    experts = recording(experts, w, cfg, records, record)
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts)
+  out = logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+  return out + (stack_records(records),) if record is not None else out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))

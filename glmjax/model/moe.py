@@ -55,6 +55,15 @@ def route(x, router, bias, cfg: Config):
   return ids.astype(jnp.int32), _weights(scores, ids, cfg)
 
 
+def route_scores(x, router, bias, cfg: Config, ids, top_m: int):
+  """What a routing trace keeps of one routing: (weights of `ids` `[T, K]`, the top `top_m`
+  experts by selection score `[T, M]` and their sigmoid scores `[T, M]`)."""
+  scores, choice = _scores(x, router, bias, cfg)
+  _, top = jax.lax.top_k(choice, top_m)
+  return (_weights(scores, ids, cfg), top.astype(jnp.int32),
+          jnp.take_along_axis(scores, top, axis=-1))
+
+
 def route_cache_aware(x, router, bias, cfg: Config, resident, keep: int, rank: int):
   """Lossy routing that prefers resident experts (opt-in).
 

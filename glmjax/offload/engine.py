@@ -39,14 +39,16 @@ import numpy as np
 
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
-from glmjax.model.forward import JITTED, KVCache, bucket, forward, mtp_forward, valid_rows
+from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, forward, mtp_forward,
+                                  recording, valid_rows)
 from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms, resolve_kernel
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
-from glmjax.offload.tiers import (DevicePool, Heat, HostCache, as_device_pool, atomic_write,
-                                  empty_pool, should_repin)
+from glmjax.offload.tiers import (DevicePool, Heat, HostCache, HostSlabs, as_device_pool,
+                                  atomic_write, cpu_device, empty_pool, gather_slot,
+                                  lfru_admissions)
 from pallas_kernels import cpu
 
 USAGE_FILE = "usage.json"
@@ -84,6 +86,53 @@ def merge_terms(active, a, b):
   return jnp.where(active[..., None], a, b)
 
 
+def _tier_terms(flat, valid, ids, pool, table):
+  """Terms of the experts `table` `[E]` (slot, or -1) places in `pool`: (terms, found `[T, K]`)."""
+  slots = table[ids]  # [T, K]
+  found = slots >= 0
+  return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "pilot_k"),
+                   donate_argnames=("cache",))
+def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Config,
+                  absorbed: bool, pilot_k: int):
+  """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
+  (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
+  through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
+  "host" `[L, E]`), with no host round trip.
+
+  Returns (logits, hidden, cache, record): `record` is (missing `[M]`: per MoE layer, the real
+  (token, rank) pairs whose expert no tier held; ids `[M, T, K]`; the pilot predictions
+  `[M - 1, T, pilot_k]` for each MoE layer that has a MoE successor, or None).
+  A step with anything missing is void; the caller re-runs it through the tiers (the cache
+  writes of this step sit past `length` and are rewritten).
+  """
+  ids_seen, missing, pilots = [], [], []
+  moe = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
+
+  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
+    valid = valid_rows(x.shape, n_valid, jnp)[:, None]  # [T, 1]
+    terms, found = jnp.zeros((*ids.shape, flat.shape[-1]), F32), jnp.zeros(ids.shape, bool)
+    if tiers["slab"] is not None:
+      terms, found = _tier_terms(flat, valid, ids, tiers["slab"], tiers["host"][layer])
+    if layer in tiers["pins"]:
+      pinned, on_pin = _tier_terms(flat, valid, ids, tiers["pins"][layer], tiers["pin"][layer])
+      terms, found = jnp.where(on_pin[..., None], pinned, terms), found | on_pin
+    later = [i for i in moe if i > layer]
+    if pilot_k and later and later[0] == layer + 1:
+      pilots.append(pilot_step(dense.layers[layer + 1], x, cfg=cfg, k=pilot_k))
+    ids_seen.append(ids)
+    missing.append(jnp.sum(valid & ~found))
+    return terms
+
+  logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
+                             n_valid=n_valid)
+  # Stacked, so the host fetches the record in three transfers, not three per layer.
+  record = (jnp.stack(missing), jnp.stack(ids_seen), jnp.stack(pilots) if pilots else None)
+  return logits, x, cache, record
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -112,7 +161,7 @@ class _Step:
     cuts = np.flatnonzero(np.diff(chosen)) + 1
     pairs = {int(c[0]): (tt, kk) for c, tt, kk in zip(np.split(chosen, cuts), np.split(t, cuts),
                                                       np.split(k, cuts)) if c.size}
-    return cls(layer, np.asarray(flat, np.float32), ids_np, pairs)
+    return cls(layer, None if flat is None else np.asarray(flat, np.float32), ids_np, pairs)
 
   @property
   def union(self) -> list[int]:
@@ -130,6 +179,7 @@ class OffloadEngine:
     if expert_compute not in PLACEMENTS:
       raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
+    self.budgets = budgets
     self.kernel = resolve_kernel(kernel)  # the device kernel (pinned and uploaded experts)
     self.on_cpu = jax.default_backend() == "cpu"
     self.expert_compute = expert_compute
@@ -142,7 +192,10 @@ class OffloadEngine:
     slots = min(e, budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers)))
     self.slots = int(slots)
     self.all_resident = self.slots == e
-    self.host = HostCache(0 if self.all_resident else budgets.host_bytes)
+    self.host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
+    n_layers = cfg.num_hidden_layers + len(dense.mtp)
+    self.slabs = HostSlabs(store.layout, self._max_host_slots, n_layers, e)  # slot-addressed
+    self.pin_tables = np.full((n_layers, e), -1, np.int32)  # rows: each DevicePool's table
     # The read function closes over the store only, never the engine (see ExpertReader).
     read = lambda layer, expert, store=store: store.read_async(layer, expert).result()
     self.reader = ExpertReader(read, io_workers, io_timeout_s)
@@ -166,6 +219,20 @@ class OffloadEngine:
     self.couple = _load_couple(self.couple_path, cfg.num_hidden_layers + len(dense.mtp),
                                cfg.n_routed_experts)
     self._prev_union: tuple[int, list] | None = None
+    self._predicting = self.prefetch  # this forward predicts next-layer experts
+    # The fused step (one jit per forward over the CPU-resident tiers) needs every expert in
+    # CPU memory addressable by slot, and exact routing. It is tried when the tiers hold every
+    # expert, or after a step that missed nothing: a cold cache does not pay for void attempts.
+    self.fused = (self.on_cpu and cache_route is None and not self.all_resident
+                  and len({store.layout(l) for l in self.moe_layers}) == 1)
+    self._fused_ready = False
+    self._fused_compiled: dict = {}
+    self._tables = None  # (host copy, device copy) of the pin and host slot tables
+
+  def _max_host_slots(self, layout) -> int:
+    """Slots a host slab of `layout` may grow to: the budget's worth, or every such expert."""
+    experts = sum(1 for l in self.store.where if self.store.layout(l) == layout)
+    return min(experts * self.cfg.n_routed_experts, self.host.budget // layout.nbytes)
 
   # -- setup --------------------------------------------------------------------------------
   def _fill_device_tier(self, progress: bool):
@@ -186,14 +253,16 @@ class OffloadEngine:
     # through the I/O threads and installed as they land.
     futures = {}
     for layer in self.moe_layers:
-      self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots))
-      for e in self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts):
-        futures[self.reader.submit(layer, e)] = (layer, e)
+      # The table is a row view of pin_tables: installs keep the fused step's table current.
+      self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots),
+                                      self.pin_tables[layer])
+      # Slots by heat rank, not by read completion: where an expert sits decides LFRU ties.
+      for slot, e in enumerate(self.heat.hottest(layer, self.slots, self.cfg.n_routed_experts)):
+        futures[self.reader.submit(layer, e)] = (layer, e, slot)
     with tqdm(total=len(futures), desc="pinning experts", disable=not progress or not futures,
               leave=False) as bar:
-      for (layer, e), blob in self.reader.as_completed(futures):
-        dev = self.device[layer]
-        dev.install(e, self.layout.unpack(blob), dev.free_slot())
+      for (layer, e, slot), blob in self.reader.as_completed(futures):
+        self.device[layer].install(e, self.layout.unpack(blob), slot)
         bar.update()
 
   def resident_weights(self) -> Weights:
@@ -222,6 +291,7 @@ class OffloadEngine:
     self._finalizer()  # runs reader.close() once
     self.device.clear()
     self.host = HostCache(0)
+    self.slabs = HostSlabs(self.store.layout, lambda layout: 0, 0, 0)
     self.inflight.clear()
 
   @property
@@ -266,12 +336,16 @@ class OffloadEngine:
         self.landed_unused.add(key)
       else:
         self.stats["prefetch_wasted"] += 1
+    self.slabs.flush()
 
   def _put_host(self, key, blob, protect=()) -> None:
-    for victim in self.host.put(key, blob, protect):
+    for victim in self.host.put(key, blob.nbytes, protect):
+      self.slabs.release(victim)
       if victim in self.landed_unused:
         self.landed_unused.discard(victim)
         self.stats["prefetch_wasted"] += 1
+    if key in self.host and key not in self.slabs.where:
+      self.slabs.store(key, blob)  # written by the next flush, before the slab is read
 
   def _predict(self, layer: int, union: list, next_layer: int | None, pilot) -> None:
     """Pilot and co-activation hints for `next_layer`, after `layer`'s union is known."""
@@ -300,43 +374,45 @@ class OffloadEngine:
   def _tiered(self, layer, m, x, flat, ids, n_valid, route_stats=None):
     """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers."""
     valid = valid_rows(x.shape, n_valid)  # [T] bool: real tokens
+    nxt = self._next_moe(layer)
+    pilot = None
+    if self._predicting and self.pilot_k and nxt is not None:
+      k = min(self.pilot_k, self.cfg.n_routed_experts)
+      pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
+    step = _Step.of(layer, flat, ids, valid)  # the host round trip
+    pilot = None if pilot is None else np.asarray(pilot)[valid]
+    pinned, cached, futures = self._account(layer, step.union, valid, route_stats, pilot)
+    return self._compute(step, pinned, cached, futures)
+
+  def _account(self, layer: int, union: list[int], valid, route_stats, pilot):
+    """A layer step's tier lookups and counters, in union order: (pinned, host-cached, miss
+    futures). Every miss is submitted to the I/O threads here, at once."""
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
       swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[valid].sum(axis=0))
       self.stats["route_swaps"] += swaps
       self.stats["route_overlap_sum"] += overlap
       self.stats["route_kl_sum"] += kl
       self.stats["route_tokens"] += int(valid.sum())
-    nxt = self._next_moe(layer) if layer < self.cfg.num_hidden_layers else None
-    pilot = None
-    if self.prefetch and self.pilot_k and nxt is not None:
-      k = min(self.pilot_k, self.cfg.n_routed_experts)
-      pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
-    step = _Step.of(layer, flat, ids, valid)  # the host round trip
-    if pilot is not None:
-      pilot = np.asarray(pilot)[valid]
-    union = step.union
     self.heat.use(layer, union)
     self.stats["experts_used"] += len(union)
     keys = {(layer, e) for e in union}
     if self.prefetch:
       self._land(protect=keys)
-      pred = self.pilot_pred.pop(layer, None)
-      if pred is not None:
-        self.stats["pilot_hits"] += len(pred & set(union))
-        self.stats["pilot_predicted"] += len(pred)
-        self.stats["pilot_actual"] += len(union)
       for key in keys & self.landed_unused:
         self.landed_unused.discard(key)
         self.stats["prefetch_useful"] += 1
+    pred = self.pilot_pred.pop(layer, None)
+    if pred is not None:
+      self.stats["pilot_hits"] += len(pred & set(union))
+      self.stats["pilot_predicted"] += len(pred)
+      self.stats["pilot_actual"] += len(union)
     dev = self.device.get(layer)
-    pinned = [e for e in union if dev is not None and e in dev]
-    cached, futures = {}, {}
+    pinned, cached, futures = [], [], {}
     for e in union:
-      if e in pinned:
-        continue
-      blob = self.host.get((layer, e))
-      if blob is not None:
-        cached[e] = blob
+      if dev is not None and e in dev:
+        pinned.append(e)
+      elif self.host.touch((layer, e)):
+        cached.append(e)
       elif (layer, e) in self.inflight:  # a prefetch still loading: wait for it, no re-read
         fut = self.inflight.pop((layer, e))[0]
         self.reader.promote(fut)  # a hint still queued is now a demand
@@ -344,8 +420,8 @@ class OffloadEngine:
         self.stats["prefetch_late"] += 1
       else:
         futures[self.reader.submit(layer, e)] = (layer, e)  # every miss dispatched up front
-    if self.prefetch:
-      self._predict(layer, union, nxt, pilot)
+    if self._predicting:
+      self._predict(layer, union, self._next_moe(layer), pilot)
       if self._prev_union is not None and self._prev_union[0] < layer:
         self.couple[self._prev_union[0]][np.ix_(self._prev_union[1], union)] += 1.0
       self._prev_union = (layer, union)
@@ -353,58 +429,67 @@ class OffloadEngine:
     self.stats["expert_host_hits"] += len(cached)
     self.stats["expert_misses"] += len(futures)
     self.stats[f"misses_layer_{layer}"] += len(futures)
-    terms = self._compute(step, dev, pinned, cached, futures)
-    return terms
+    return pinned, cached, futures
 
-  def _compute(self, step: _Step, dev, pinned, cached, futures):
-    """Grouped compute of one layer step; the tiers are updated after, in union order."""
-    layout = self.store.layout(step.layer)
-    host_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
+  def _compute(self, step: _Step, pinned, cached, futures):
+    """Grouped compute of one layer step; the tiers are updated after, in union order.
+
+    Pinned experts run as one kernel call over the pin pool, host-cached ones as one call over
+    the host slab (or uploaded, under device placement on an accelerator), and each miss on
+    its own as its read lands."""
+    layer, dev = step.layer, self.device.get(step.layer)
+    layout = self.store.layout(layer)
+    miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
     on_device = self._place(len(cached) + len(futures))
     # A CPU-only machine has no bus to cross: "device" placement computes where the bytes are,
     # with the same kernel (it is still counted as device placement).
     upload = on_device and not self.on_cpu
-    uploads: dict[int, np.ndarray] = {}
-    device_terms = None
-    if pinned and not self.on_cpu:  # the device kernel over the pin pool, queued first
-      device_terms = self._device_terms(step, dev.pool, dev.slot_of, pinned)
-    elif pinned:  # CPU-only: the device pool is host memory; the same CPU kernel reads it
-      pool = jax.tree_util.tree_map(np.asarray, dev.pool)
-      for e in pinned:
-        s = dev.slot_of[e]
-        self._host_expert(step, e, ExpertWeights(
-            dataclasses.replace(pool.gate_up, packed=pool.gate_up.packed[s],
-                                scales=pool.gate_up.scales[s]),
-            dataclasses.replace(pool.down, packed=pool.down.packed[s],
-                                scales=pool.down.scales[s])), host_terms)
+    parts = []  # (active [T, K], terms), merged over the misses' terms
+    if pinned:  # the device kernel over the pin pool (on a CPU-only machine: the CPU kernel)
+      parts.append(self._pool_terms(step, dev.pool, dev.slot_of, pinned,
+                                    "cpu" if self.on_cpu else self.kernel))
     self.stats["experts_on_device"] += len(pinned)
+    slab = self.slabs.slab(layer) if cached else None
+    slots = {e: self.slabs.where[(layer, e)][1] for e in cached}
+    uploads: dict[int, ExpertWeights] = {}
+    if cached and upload:
+      uploads = {e: gather_slot(slab.pool, slots[e]) for e in cached}
+    elif cached:  # the CPU kernel over the host slab, one call
+      t0 = time.perf_counter()
+      parts.append(self._pool_terms(step, slab.pool, slots, cached, "cpu"))
+      if self.expert_compute == "auto" and not self.on_cpu:  # rates only matter for auto
+        parts[-1][1].block_until_ready()
+        self._rate("host", len(cached) * layout.nbytes, time.perf_counter() - t0)
     arrived = {}
-    landed = ((key[1], blob) for key, blob in self.reader.as_completed(futures))
-    for e, blob in itertools.chain(cached.items(), landed):  # misses in completion order
-      if e not in cached:
-        arrived[e] = blob
-        self.stats["expert_bytes_read"] += blob.nbytes
+    for (_, e), blob in self.reader.as_completed(futures):  # misses in completion order
+      arrived[e] = blob
+      self.stats["expert_bytes_read"] += blob.nbytes
       if upload:
-        uploads[e] = blob
+        uploads[e] = layout.unpack(blob)
       else:
         t0 = time.perf_counter()
-        self._host_expert(step, e, layout.unpack(blob), host_terms)
+        self._host_expert(step, e, layout.unpack(blob), miss_terms)
         self._rate("host", blob.nbytes, time.perf_counter() - t0)
     if uploads:
-      device_terms = self._upload_terms(step, layout, uploads, device_terms)
+      parts.append(self._upload_terms(step, uploads))
     self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached) + len(
         arrived)
+    out = jnp.asarray(miss_terms)
+    for active, terms in parts:
+      out = merge_terms(jnp.asarray(active), terms, out)
     # Tier bookkeeping in union order, whatever order the reads completed in.
-    protect = {(step.layer, e) for e in step.union}
+    protect = {(layer, e) for e in step.union}
     for e in step.union:
       if e in arrived:
-        self._put_host((step.layer, e), arrived[e], protect)
-    held = {**cached, **arrived}
-    self._admit(step.layer, step.union, {e: held[e] for e in step.union if e in held})
-    out = jnp.asarray(host_terms)
-    if device_terms is not None:
-      active, terms = device_terms
-      out = merge_terms(jnp.asarray(active), terms, out)
+        self._put_host((layer, e), arrived[e], protect)
+    self.slabs.flush()
+    sources = {}  # in union order: admission must not follow read completion order
+    for e in step.union:
+      if e in arrived:
+        sources[e] = layout.unpack(arrived[e])
+      elif e in slots:
+        sources[e] = (slab.pool, slots[e])
+    self._admit(layer, step.union, sources)
     return out
 
   def _host_expert(self, step: _Step, e: int, w: ExpertWeights, out: np.ndarray) -> None:
@@ -414,34 +499,33 @@ class OffloadEngine:
     out[t, k] = cpu.expert_ffn(step.x[t], gu.packed, gu.scales, dn.packed, dn.scales, gu.bits,
                                gu.group_size, dn.out_features, dn.in_features)
 
-  def _device_terms(self, step: _Step, pool: ExpertPool, slot_of: dict, experts):
-    """(active `[T, K]`, device terms) of `experts` held in a device `pool`."""
+  def _pool_terms(self, step: _Step, pool: ExpertPool, slot_of: dict, experts, kernel: str):
+    """(active `[T, K]`, terms) of `experts`, held in `pool` at `slot_of`, run by `kernel`."""
     active = np.zeros(step.ids.shape, bool)
     slots = np.zeros(step.ids.shape, np.int32)
     for e in experts:
       t, k = step.pairs[e]
       active[t, k] = True
       slots[t, k] = slot_of[e]
-    terms = pool_terms_step(jnp.asarray(step.x), pool, jnp.asarray(slots), jnp.asarray(active),
-                            kernel=self.kernel)
+    x = step.x
+    if kernel == "cpu" and not self.on_cpu:
+      x = jax.device_put(x, cpu_device())
+    terms = pool_terms_step(x, pool, slots, active, kernel=kernel)
     return active, terms
 
-  def _upload_terms(self, step: _Step, layout, blobs: dict, prior):
+  def _upload_terms(self, step: _Step, weights: dict[int, ExpertWeights]):
     """Host-held experts uploaded into a transient device pool and run by the device kernel
-    (expert_compute="device" on an accelerator), merged over `prior` device terms."""
-    experts = sorted(blobs)
-    weights = [layout.unpack(blobs[e]) for e in experts]
-    weights += [weights[-1]] * (bucket(len(experts)) - len(experts))  # few compiled shapes
+    (expert_compute="device" on an accelerator)."""
+    experts = sorted(weights)
+    stacked = [weights[e] for e in experts]
+    stacked += [stacked[-1]] * (bucket(len(experts)) - len(experts))  # few compiled shapes
     t0 = time.perf_counter()
-    pool = as_device_pool(weights)
-    nbytes = sum(blobs[e].nbytes for e in experts)
+    pool = as_device_pool(stacked)
+    nbytes = len(experts) * self.store.layout(step.layer).nbytes
     self.stats["h2d_bytes"] += nbytes
     self._rate("h2d", nbytes, time.perf_counter() - t0)
-    active, terms = self._device_terms(step, pool, {e: s for s, e in enumerate(experts)}, experts)
-    if prior is not None:
-      terms = merge_terms(jnp.asarray(prior[0]), prior[1], terms)
-      active = active | prior[0]
-    return active, terms
+    return self._pool_terms(step, pool, {e: s for s, e in enumerate(experts)}, experts,
+                            self.kernel)
 
   def _rate(self, name: str, nbytes: int, seconds: float) -> None:
     if seconds > 0:
@@ -462,21 +546,18 @@ class OffloadEngine:
       return False
     return self.rates["h2d"] > self.rates["host"]
 
-  def _admit(self, layer: int, union, blobs: dict[int, np.ndarray]):
-    """Moves just-used experts into the device tier: free slots first, then LFRU swaps."""
+  def _admit(self, layer: int, union, sources: dict):
+    """Moves just-used experts into the device tier: free slots first, then LFRU swaps.
+    `sources[e]` is the expert's weights, or (host slab pool, slot)."""
     dev = self.device.get(layer)
     if dev is None:
       return
-    for e in sorted(blobs, key=lambda e: -self.heat[(layer, e)]):
-      slot = dev.free_slot()
-      if slot is None:
-        cold = dev.coldest(self.heat)
-        if cold is None or cold[1] in union or not should_repin(self.heat[(layer, e)],
-                                                               self.heat[(layer, cold[1])]):
-          continue
-        slot = cold[0]
-        self.stats["repins"] += 1
-      dev.install(e, self.store.layout(layer).unpack(blobs[e]), slot)
+    for e, slot, repinned in lfru_admissions(dev, self.heat, union, sources):
+      self.stats["repins"] += repinned
+      if isinstance(sources[e], ExpertWeights):
+        dev.install(e, sources[e], slot)
+      else:
+        dev.install_from(e, *sources[e], slot)
 
   # -- forward --------------------------------------------------------------------------------
   def _provider(self):
@@ -490,17 +571,93 @@ class OffloadEngine:
     return jnp.asarray(mask), tuple(self.cache_route)
 
   def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
-              n_valid: int | None = None):
+              n_valid: int | None = None, record: list | None = None,
+              record_opts: RecordOptions = RecordOptions()):
     """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`
-    (the first `n_valid` positions real, the rest padding that never routes)."""
+    (the first `n_valid` positions real, the rest padding that never routes). With `record`
+    (a list), each MoE layer's routing record (`route_record`) is appended to it."""
     self._prev_union = None
-    aware = self.cache_route is not None and not self.all_resident
-    out = forward(self.dense, jnp.asarray(tokens, jnp.int32), self.cfg, cache, absorbed,
-                  experts=self._provider(), steps=JITTED, n_valid=n_valid,
-                  route_args=self._route_args if aware else None)
+    if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
+      tokens = jnp.asarray(tokens, jnp.int32)
+    out = None
+    all_cached = self._all_cached()
+    # With every expert held there is nothing to fetch: prediction (pilot, co-activation
+    # learning and their statistics) pauses rather than cost time per layer.
+    self._predicting = self.prefetch and not all_cached
+    if self.fused and record is None and (self._fused_ready or all_cached):
+      out, cache = self._fused(tokens, cache, absorbed, n_valid)
+    if out is None:
+      misses = self.stats["expert_misses"]
+      aware = self.cache_route is not None and not self.all_resident
+      experts = self._provider()
+      if record is not None:
+        experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
+      out = forward(self.dense, tokens, self.cfg, cache, absorbed, experts=experts,
+                    steps=JITTED, n_valid=n_valid,
+                    route_args=self._route_args if aware else None)
+      self._fused_ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
     return out
+
+  def _all_cached(self) -> bool:
+    """Every routed expert of the main layers is held by a tier: no step can miss."""
+    rows = self.moe_layers
+    return bool(((self.pin_tables[rows] >= 0) | (self.slabs.tables[rows] >= 0)).all())
+
+  def _fused(self, tokens, cache, absorbed, n_valid):
+    """Tries the step as one jit over the tiers (`fused_forward`). On success applies the same
+    tier bookkeeping as the layer-by-layer path, layer by layer in union order, and returns
+    (output, None); when a routed expert was not cached returns (None, cache) to re-run."""
+    n_layers = self.cfg.num_hidden_layers
+    slab = self.slabs.slabs.get(self.layout)
+    dev = jax.devices()[0]
+    tables = np.stack([self.pin_tables[:n_layers], self.slabs.tables[:n_layers]])
+    if self._tables is None or not np.array_equal(self._tables[0], tables):
+      # uploaded when the tiers changed (two arrays: indexing a device array is a dispatch)
+      self._tables = (tables, *jax.device_put((tables[0], tables[1]), dev))
+    tiers = {
+        "pins": {l: d.pool for l, d in self.device.items() if l < n_layers},
+        "pin": self._tables[1],
+        "slab": None if slab is None else slab.pool,
+        "host": self._tables[2],
+    }
+    pilot_k = min(self.pilot_k, self.cfg.n_routed_experts) if self._predicting else 0
+    nv = None if n_valid is None else np.int32(n_valid)
+    args = (self.dense, tokens, cache, nv, tiers)
+    static = dict(cfg=self.cfg, absorbed=absorbed, pilot_k=pilot_k)
+    # Everything else in the signature is fixed for the engine's life (the slab is allocated
+    # whole, the pin pools have fixed slots).
+    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape, nv is None,
+           slab is None, absorbed, pilot_k)
+    if key not in self._fused_compiled:  # compiled ahead, so its time is accounted apart
+      t0 = time.perf_counter()
+      self._fused_compiled[key] = fused_forward.lower(*args, **static).compile()
+      self.stats["fused_compile_s"] += time.perf_counter() - t0
+    logits, x, new_cache, record = self._fused_compiled[key](*args)
+    missing = np.asarray(record[0])
+    if missing.any():
+      self._fused_ready = False
+      self.stats["fused_void"] += 1
+      return None, new_cache
+    self.stats["fused_steps"] += 1
+    valid = valid_rows(tokens.shape, n_valid)
+    ids_all = np.asarray(record[1])
+    pilots = iter(np.asarray(record[2]) if record[2] is not None else ())
+    for j, layer in enumerate(self.moe_layers):
+      ids = ids_all[j]
+      pilot = next(pilots) if record[2] is not None and self._next_moe(layer) is not None else None
+      union = np.unique(ids[valid]).tolist()
+      pinned, cached, futures = self._account(layer, union, valid, None,
+                                              None if pilot is None else pilot[valid])
+      assert not futures  # every expert was found in a tier
+      self.stats["experts_on_device"] += len(pinned)
+      on_device = self._place(len(cached))
+      self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached)
+      slab_pool = self.slabs.slabs[self.layout].pool if cached else None
+      self._admit(layer, union,
+                  {c: (slab_pool, self.slabs.where[(layer, c)][1]) for c in cached})
+    return (logits, x, new_cache), None
 
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
@@ -511,6 +668,17 @@ class OffloadEngine:
     return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, cache,
                        jnp.asarray(start, jnp.int32), absorbed=h.shape[1] <= 4,
                        experts=self._provider(), steps=JITTED)
+
+  def tier_state(self) -> dict:
+    """The tiers' state as plain data (a live trace's starting point for the simulator):
+    budgets, each MoE layer's pinned experts by slot, the host LRU order, raw heat."""
+    return {
+        "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
+        "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
+        "pins": {str(l): list(d.expert_in) for l, d in self.device.items()},
+        "host": [list(k) for k in self.host.keys()],
+        "heat": {f"{l}/{e}": v for (l, e), v in self.heat.h.items()},
+        "heat_scale": self.heat.scale}
 
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""

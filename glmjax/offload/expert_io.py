@@ -124,7 +124,7 @@ class ExpertReader:
       self.wait_s += time.perf_counter() - t0
 
   def as_completed(self, futures: dict):
-    """Yields ((layer, expert), bytes) for `futures` {Future: (layer, expert)} as reads finish.
+    """Yields (key, bytes) for `futures` {Future: key = (layer, expert, ...)} as reads finish.
 
     Reads finishing together are yielded in (layer, expert) order. Raises ExpertIOError for a
     failed read, or when no read finishes within `timeout_s`.
@@ -137,12 +137,12 @@ class ExpertReader:
       if not done:
         for fut in pending:
           fut.cancel()
-        layer, expert = min(futures[f] for f in pending)
+        layer, expert = min(futures[f] for f in pending)[:2]
         raise ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
                             f"{self.timeout_s:.1f} s (stalled storage?)")
       for fut in sorted(done, key=futures.get):
         if fut.cancelled():
-          layer, expert = futures[fut]
+          layer, expert = futures[fut][:2]
           raise ExpertIOError(f"reading layer {layer} expert {expert} was cancelled")
         yield futures[fut], fut.result()
 

@@ -6,6 +6,7 @@ Both are bookkeeping plus storage; neither does I/O. Keys are (layer, expert).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -24,12 +25,16 @@ HEAT_DECAY = 0.995
 
 
 class HostCache:
-  """LRU of expert chunk bytes under a byte budget (0 disables it)."""
+  """LRU bookkeeping of host-cached experts under a byte budget (0 disables it).
+
+  Keys only: the bytes live in `HostSlabs`. Keeping the policy apart from the storage lets the
+  engine and the simulator (glmjax.replay) run the very same rule.
+  """
 
   def __init__(self, budget_bytes: int):
     self.budget = int(budget_bytes)
     self.used = 0
-    self._items: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+    self._items: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
 
   def __contains__(self, key) -> bool:
     return key in self._items
@@ -37,33 +42,34 @@ class HostCache:
   def __len__(self) -> int:
     return len(self._items)
 
-  def get(self, key):
-    """The chunk bytes for `key`, marking it most recently used; None on a miss."""
-    blob = self._items.get(key)
-    if blob is not None:
-      self._items.move_to_end(key)
-    return blob
+  def touch(self, key) -> bool:
+    """A hit marks `key` most recently used; False on a miss."""
+    if key not in self._items:
+      return False
+    self._items.move_to_end(key)
+    return True
 
-  def put(self, key, blob: np.ndarray, protect=()) -> list:
-    """Inserts `blob`, evicting least recently used entries (never those in `protect`) to stay
-    within the budget. Returns the evicted keys; `blob` is not inserted if no room can be made.
+  def put(self, key, nbytes: int, protect=()) -> list:
+    """Inserts `key` (`nbytes` large), evicting least recently used entries (never those in
+    `protect`) to stay within the budget. Returns the evicted keys; `key` is not inserted
+    (check `key in cache`) if no room can be made.
     """
     if key in self._items:
       self._items.move_to_end(key)
       return []
     victims, room = [], self.budget - self.used
     for k, v in self._items.items():  # least recently used first
-      if room >= blob.nbytes:
+      if room >= nbytes:
         break
       if k not in protect:
         victims.append(k)
-        room += v.nbytes
-    if room < blob.nbytes:
+        room += v
+    if room < nbytes:
       return []
     for k in victims:
-      self.used -= self._items.pop(k).nbytes
-    self._items[key] = blob
-    self.used += blob.nbytes
+      self.used -= self._items.pop(k)
+    self._items[key] = int(nbytes)
+    self.used += int(nbytes)
     return victims
 
   def keys(self) -> list:
@@ -71,29 +77,109 @@ class HostCache:
     return list(self._items)
 
 
+class HostSlab:
+  """The host-cached experts of one chunk layout, in the slots of one pool on the CPU device.
+
+  Slot-addressed storage lets one jitted call compute every cached expert of a layer through a
+  slot table (the engine's fused step), and an install is a donated in-place write of one
+  expert. The pool is allocated whole (`max_slots`: the budget's worth, at most every expert of
+  the layout) on the first insert: the LRU fills it in a long run anyway, and a pool that grew
+  would change the fused step's shapes, recompiling it at every growth.
+  """
+
+  def __init__(self, layout, max_slots: int):
+    self.layout, self.max_slots = layout, int(max_slots)
+    self.pool: ExpertPool | None = None
+    self.free: list[int] = []
+
+  def alloc(self) -> int:
+    if self.pool is None:
+      self.pool = empty_pool(self.layout, self.max_slots, cpu_device())
+      self.free = list(range(self.max_slots - 1, -1, -1))  # lowest slot popped first
+    if not self.free:
+      raise RuntimeError("host slab full")  # the LRU budget keeps this from happening
+    return self.free.pop()
+
+  def write(self, slots: list[int], blobs: list[np.ndarray]) -> None:
+    """Writes chunk bytes into `slots`, all in one donated in-place call."""
+    n = bucket_size(len(slots))  # padded (repeating the last write) so few shapes compile
+    slots = np.asarray(slots + slots[-1:] * (n - len(slots)), np.int32)
+    stacked = np.stack(blobs + blobs[-1:] * (n - len(blobs)))  # [n, nbytes] uint8
+    self.pool = _install_blobs(self.pool, slots, stacked, self.layout)
+
+
+class HostSlabs:
+  """Where each host-cached (layer, expert) lives: a slab per chunk layout, a slot in it."""
+
+  def __init__(self, layout_of, max_slots_of, n_layers: int, n_experts: int):
+    self._layout_of, self._max_slots_of = layout_of, max_slots_of
+    self.slabs: dict = {}  # layout → HostSlab
+    self.where: dict[tuple[int, int], tuple[HostSlab, int]] = {}
+    # [layers, E]: each expert's slot in its layer's slab, -1 if not cached
+    self.tables = np.full((n_layers, n_experts), -1, np.int32)
+    self._pending: dict = {}  # slab → [(slot, chunk bytes)] stored, not yet written
+
+  def slab(self, layer: int) -> HostSlab:
+    layout = self._layout_of(layer)
+    if layout not in self.slabs:
+      self.slabs[layout] = HostSlab(layout, self._max_slots_of(layout))
+    return self.slabs[layout]
+
+  def store(self, key, blob: np.ndarray) -> None:
+    """Takes a slot for `key` now; its bytes are written by the next `flush`, which must come
+    before anything reads the slab."""
+    slab = self.slab(key[0])
+    slot = slab.alloc()
+    self.where[key] = (slab, slot)
+    self.tables[key] = slot
+    self._pending.setdefault(slab, []).append((slot, blob))
+
+  def flush(self) -> None:
+    """Writes every stored-but-unwritten chunk: one call per slab."""
+    for slab, writes in self._pending.items():
+      slab.write([s for s, _ in writes], [b for _, b in writes])
+    self._pending.clear()
+
+  def release(self, key) -> None:
+    slab, slot = self.where.pop(key)
+    slab.free.append(slot)
+    if slab in self._pending:  # evicted before its bytes were written: never write them
+      self._pending[slab] = [(s, b) for s, b in self._pending[slab] if s != slot]
+    self.tables[key] = -1
+
+
 class Heat:
-  """LFRU heat per (layer, expert): decayed use counts, persisted as a usage histogram."""
+  """LFRU heat per (layer, expert): decayed use counts, persisted as a usage histogram.
+
+  Decay is lazy: values are stored divided by the running decay factor, so a decode step's
+  decay is one multiplication however many experts have heat (19,968 at GLM-5's size).
+  """
 
   def __init__(self, counts: dict | None = None):
+    self.scale = 1.0  # the decay applied since the stored values were last rescaled
     self.h: dict[tuple[int, int], float] = collections.defaultdict(float, counts or {})
 
   def use(self, layer: int, experts) -> None:
+    unit = 1.0 / self.scale
     for e in experts:
-      self.h[(layer, int(e))] += 1.0
+      self.h[(layer, int(e))] += unit
 
   def decay(self) -> None:
-    for k in self.h:
-      self.h[k] *= HEAT_DECAY
+    self.scale *= HEAT_DECAY
+    if self.scale < 1e-30:  # fold it in long before float64 runs out of range
+      for k in self.h:
+        self.h[k] *= self.scale
+      self.scale = 1.0
 
   def __getitem__(self, key) -> float:
-    return self.h.get(key, 0.0)
+    return self.h.get(key, 0.0) * self.scale
 
   def hottest(self, layer: int, n: int, n_experts: int) -> list[int]:
     scores = [(-self.h.get((layer, e), 0.0), e) for e in range(n_experts)]
     return [e for s, e in sorted(scores)[:n] if s < 0]
 
   def save(self, path: str) -> None:
-    data = {f"{l}/{e}": v for (l, e), v in self.h.items() if v > 0}
+    data = {f"{l}/{e}": v * self.scale for (l, e), v in self.h.items() if v > 0}
     atomic_write(path, lambda f: f.write(json.dumps(data).encode()))
 
   @classmethod
@@ -140,15 +226,62 @@ def _install(pool: ExpertPool, slot, expert: ExpertPool) -> ExpertPool:
   return jax.tree_util.tree_map(lambda p, e: p.at[slot].set(e[0]), pool, expert)
 
 
-class DevicePool:
-  """One MoE layer's pinned experts on the device: `slots` fixed slots, expert → slot map."""
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
+def _install_blobs(pool: ExpertPool, slots, blobs, layout) -> ExpertPool:
+  """Chunk bytes `[n, B]` unpacked (the store layout's fields, bitcast in the jit) into
+  `slots` `[n]` of a donated pool."""
+  parts = []
+  for f in layout.fields:
+    dtype = np.dtype(f.dtype)
+    raw = blobs[:, f.offset:f.offset + f.nbytes]
+    if dtype.itemsize > 1:
+      raw = raw.reshape(raw.shape[0], -1, dtype.itemsize)
+    parts.append(jax.lax.bitcast_convert_type(raw, dtype).reshape(raw.shape[0], *f.shape))
+  leaves = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
+  gp, gs, dp, ds = (leaf.at[slots].set(part) for leaf, part in zip(leaves, parts))
+  return ExpertPool(dataclasses.replace(pool.gate_up, packed=gp, scales=gs),
+                    dataclasses.replace(pool.down, packed=dp, scales=ds))
 
-  def __init__(self, layer: int, slots: int, empty: ExpertPool):
+
+def bucket_size(n: int) -> int:
+  """Next power of two ≥ n."""
+  return 1 << max(0, (n - 1).bit_length())
+
+
+# Copies one pool slot into another pool on the same device (host slab → pin pool on a CPU-only
+# machine) without a numpy view: a live view of a pool turns the next donated install into a
+# copy of the whole pool.
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _install_from(pool: ExpertPool, slot, source: ExpertPool, source_slot) -> ExpertPool:
+  return jax.tree_util.tree_map(lambda p, s: p.at[slot].set(s[source_slot]), pool, source)
+
+
+@jax.jit
+def _gather(pool: ExpertPool, slot) -> ExpertPool:
+  return jax.tree_util.tree_map(lambda p: p[slot], pool)
+
+
+def gather_slot(pool: ExpertPool, slot: int) -> ExpertWeights:
+  """One slot of a pool as numpy expert weights (a copy, so no view of the pool stays alive)."""
+  one = _gather(pool, jnp.int32(slot))
+  return ExpertWeights(*(jax.tree_util.tree_map(np.asarray, q) for q in one))
+
+
+def cpu_device():
+  return jax.devices("cpu")[0]
+
+
+class PinSlots:
+  """The slot bookkeeping of one MoE layer's pin tier: `slots` fixed slots, expert ↔ slot.
+
+  Storage-free, so the simulator (glmjax.replay) runs the engine's pin rule exactly."""
+
+  def __init__(self, layer: int, slots: int, table: np.ndarray | None = None):
     self.layer = layer
     self.slots = slots
-    self.pool = empty  # [S, ...] on device
     self.slot_of: dict[int, int] = {}
     self.expert_in: list[int | None] = [None] * slots
+    self.table = table  # optional [E] slot per expert (-1: not pinned), kept current
 
   def __contains__(self, expert: int) -> bool:
     return expert in self.slot_of
@@ -159,19 +292,20 @@ class DevicePool:
         return s
     return None
 
-  def install(self, expert: int, weights: ExpertWeights, slot: int) -> None:
-    """Puts `expert` into `slot` (evicting whatever was there)."""
+  def assign(self, expert: int, slot: int) -> None:
+    """Records `expert` in `slot`, evicting whatever was there."""
     old = self.expert_in[slot]
     if old is not None:
       del self.slot_of[old]
-    one = ExpertPool(*(jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], q)
-                       for q in weights))
-    self.pool = _install(self.pool, jnp.int32(slot), one)
+      if self.table is not None:
+        self.table[old] = -1
     self.slot_of[expert] = slot
     self.expert_in[slot] = expert
+    if self.table is not None:
+      self.table[expert] = slot
 
   def coldest(self, heat: Heat) -> tuple[int, int] | None:
-    """(slot, expert) of the least heated pinned expert."""
+    """(slot, expert) of the least heated pinned expert (ties: the lowest slot)."""
     live = [(heat[(self.layer, e)], s, e) for s, e in enumerate(self.expert_in) if e is not None]
     if not live:
       return None
@@ -179,11 +313,54 @@ class DevicePool:
     return s, e
 
 
-def empty_pool(layout, slots: int) -> ExpertPool:
-  """A zero-filled device pool of `slots` experts in `layout` (a store `ExpertLayout`)."""
-  blob = np.zeros((slots, layout.nbytes), np.uint8)
-  e = layout.unpack(blob)
-  return ExpertPool(*(jax.tree_util.tree_map(jnp.asarray, q) for q in e))
+def lfru_admissions(pins: PinSlots, heat: Heat, union, candidates):
+  """The LFRU rule: yields (expert, slot, repinned) for just-used `candidates` (in union order),
+  hottest first: a free slot, else the coldest incumbent's slot when `should_repin` says so
+  (never an expert the current union uses). The caller assigns each before the next."""
+  for e in sorted(candidates, key=lambda e: -heat[(pins.layer, e)]):  # stable: union order
+    slot = pins.free_slot()
+    if slot is not None:
+      yield e, slot, False
+      continue
+    cold = pins.coldest(heat)
+    if cold is None or cold[1] in union or not should_repin(heat[(pins.layer, e)],
+                                                           heat[(pins.layer, cold[1])]):
+      continue
+    yield e, cold[0], True
+
+
+class DevicePool(PinSlots):
+  """One MoE layer's pinned experts on the device: the slots and their pool `[S, ...]`."""
+
+  def __init__(self, layer: int, slots: int, empty: ExpertPool, table: np.ndarray | None = None):
+    super().__init__(layer, slots, table)
+    self.pool = empty  # [S, ...] on device
+
+  def install(self, expert: int, weights: ExpertWeights, slot: int) -> None:
+    """Puts `expert` into `slot` (evicting whatever was there)."""
+    one = ExpertPool(*(jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], q)
+                       for q in weights))
+    self.pool = _install(self.pool, jnp.int32(slot), one)
+    self.assign(expert, slot)
+
+  def install_from(self, expert: int, source: ExpertPool, source_slot: int, slot: int) -> None:
+    """Puts `expert`, held in `source_slot` of `source`, into `slot`."""
+    if source.gate_up.packed.devices() == self.pool.gate_up.packed.devices():
+      self.pool = _install_from(self.pool, jnp.int32(slot), source, jnp.int32(source_slot))
+      self.assign(expert, slot)
+    else:
+      self.install(expert, gather_slot(source, source_slot), slot)
+
+
+def empty_pool(layout, slots: int, device=None) -> ExpertPool:
+  """A zero-filled pool of `slots` experts in `layout` (a store `ExpertLayout`) on `device`
+  (the default device if None)."""
+  def zeros(f):
+    return jnp.zeros((slots, *f.shape), np.dtype(f.dtype), device=device)
+  gp, gs, dp, ds = (zeros(f) for f in layout.fields)
+  proto = layout.unpack(np.zeros((1, layout.nbytes), np.uint8))
+  return ExpertPool(dataclasses.replace(proto.gate_up, packed=gp, scales=gs),
+                    dataclasses.replace(proto.down, packed=dp, scales=ds))
 
 
 def as_device_pool(weights: list[ExpertWeights]) -> ExpertPool:
