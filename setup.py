@@ -31,6 +31,8 @@ setup(
     extras_require={
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a
         # CPU build of torch. Test-only; the runtime never imports them.
-        "test": ["pytest>=8", "transformers>=5.2", "torch==2.13.0"],
+        # pytest-xdist: the suite runs on two workers, a file per worker (module fixtures stay
+        # built once).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0"],
     },
 )

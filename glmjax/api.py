@@ -539,7 +539,8 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
     if opts.offload_set:
       raise InputError(f"{path}: offload options (device_cache_gb, host_cache_gb, "
                        "expert_compute, io_workers, cold, prefetch, pilot_k, couple_k, "
-                       "cache_route) need an expert store; convert it with scripts/convert.py")
+                       "cache_route, expert_budget) need an expert store; convert it with "
+                       "scripts/convert.py")
     cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
     return Model(cfg, weights, opts, path)
 
@@ -549,6 +550,9 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
   experts = store.ExpertStore(path)
   moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
+  if opts.expert_budget is not None and opts.expert_budget < cfg.num_experts_per_tok:
+    raise InputError(f"expert_budget={opts.expert_budget} is below the model's top-k "
+                     f"({cfg.num_experts_per_tok}): every token needs that many experts")
   budgets = budget.resolve(opts.device_cache_gb, opts.host_cache_gb,
                            dense_bytes=nbytes(dense), chunk_bytes=experts.layout(moe_layers[0]).nbytes,
                            n_moe_layers=len(moe_layers), n_experts=cfg.n_routed_experts,
@@ -558,6 +562,6 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
                          kernel=opts.moe_kernel, expert_compute=opts.expert_compute,
                          prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
                          cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
-                                      else None))
+                                      else None), expert_budget=opts.expert_budget)
   weights = engine.resident_weights() if engine.all_resident else dense
   return Model(cfg, weights, opts, path, engine)

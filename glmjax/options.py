@@ -46,6 +46,10 @@ class Options:
     cache_route: opt-in, lossy: keep the true top-`route_keep` experts and fill the other
       slots with resident experts among the top-`route_rank` by biased score (results then
       depend on cache state). Reports route_swap_rate, route_overlap, route_kl.
+    expert_budget: opt-in, lossy (None = off): caps the experts a speculative verify pass
+      reads per MoE layer. The step's most chosen experts (ties: summed router score) are kept
+      and every token is routed within them; fewer experts are loaded at some cost in MTP
+      acceptance. Must be ≥ the model's top-k. Expert stores only.
   """
 
   dtype: str = "float32"
@@ -64,6 +68,7 @@ class Options:
   cache_route: bool = False
   route_keep: int = 2
   route_rank: int = 12
+  expert_budget: int | None = None
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -82,6 +87,10 @@ class Options:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 0:
         raise InputError(f"{name} must be an integer ≥ 0, got {v!r}")
+    if self.expert_budget is not None and (not isinstance(self.expert_budget, int)
+                                           or self.expert_budget < 1):
+      raise InputError(f"expert_budget must be a positive integer or None, got "
+                       f"{self.expert_budget!r}")
     if not self.io_timeout_s > 0:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
 
@@ -90,7 +99,8 @@ class Options:
     """Whether any offload option differs from its default."""
     return (self.device_cache_gb, self.host_cache_gb, self.io_workers, self.cold,
             self.prefetch, self.pilot_k, self.couple_k, self.cache_route,
-            self.expert_compute) != (None, None, 4, False, True, 6, 4, False, "device")
+            self.expert_compute, self.expert_budget) != (None, None, 4, False, True, 6, 4,
+                                                         False, "device", None)
 
   @classmethod
   def from_kwargs(cls, **kwargs) -> "Options":

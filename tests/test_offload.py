@@ -312,3 +312,45 @@ def test_cache_aware_routing_opt_in(store):
   assert 0 < s["route_swap_rate"] <= 0.5  # at most K - keep = 2 of 4 slots swap
   assert 0 < s["route_overlap"] <= 1 and s["route_kl"] >= 0
   assert s["expert_misses"] <= plain.stats["expert_misses"]
+
+
+def test_capped_routing_matches_definition():
+  """expert_budget's routing: keep the experts most real tokens chose (ties: summed sigmoid
+  score), then each token's top-k by biased score among them (a loop reference)."""
+  import jax.numpy as jnp
+  from glmjax.model.config import Config
+  from glmjax.model.moe import route_capped
+  cfg = Config.from_dict({
+      "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+      "v_head_dim": 4, "n_routed_experts": 16, "num_experts_per_tok": 4})
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((7, 16)).astype(np.float32)
+  router = rng.standard_normal((16, 16)).astype(np.float32)
+  bias = 0.1 * rng.standard_normal(16).astype(np.float32)
+  valid = np.array([True] * 5 + [False] * 2)  # two padding rows must not vote
+  for budget in (4, 6, 9, 16):
+    ids, w, stats = route_capped(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), cfg,
+                                 jnp.asarray(valid), budget)
+    s = 1 / (1 + np.exp(-(x.astype(np.float64) @ router.T)))
+    choice = s + bias
+    top = np.argsort(-choice, axis=1, kind="stable")[:, :4]
+    count = np.zeros(16)
+    for t in range(7):
+      if valid[t]:
+        count[top[t]] += 1
+    mass = s[valid].sum(axis=0)
+    kept = sorted(range(16), key=lambda e: (-count[e], -mass[e]))[:budget]
+    for t in range(7):
+      want = [e for e in np.argsort(-choice[t], kind="stable") if e in kept][:4]
+      assert list(np.asarray(ids[t])) == want, (budget, t)
+    swaps = sum(len(set(np.asarray(ids[t])) - set(top[t])) for t in range(7))
+    assert float(np.asarray(stats)[:, 0].sum()) == swaps
+    assert (budget < 16) or swaps == 0
+
+
+def test_expert_budget_below_top_k_is_refused(store):
+  path, _, _ = store
+  with pytest.raises(InputError, match="expert_budget"):
+    glmjax.load(path, progress=False, expert_budget=2)

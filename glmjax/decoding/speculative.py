@@ -51,7 +51,10 @@ class EngineBackend:
     self.engine = model.engine
 
   def main(self, cache, tokens, absorbed):
-    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed)
+    # A verify pass (absorbed, with drafts after the token; the prefill is not absorbed) may
+    # be capped to `expert_budget` experts a layer.
+    cap = self.engine.expert_budget if absorbed and tokens.shape[1] > 1 else None
+    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed, expert_cap=cap)
     return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
 
   def mtp(self, h, next_tokens, cache, start):

@@ -24,7 +24,7 @@ from glmjax.model.attention import LayerCache, attention
 from glmjax.model.config import Config
 from glmjax.model.layers import F32, linear, rms_norm, swiglu
 from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
-                              route_scores)
+                              route_capped, route_scores)
 from glmjax.model.mtp import mtp_input, mtp_output_logits
 from glmjax.model.quant import ExpertPool
 from glmjax.model.weights import MoE, Weights
@@ -56,14 +56,16 @@ def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVC
 
 
 def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
-               resident=None, cache_route=None):
+               resident=None, cache_route=None, expert_cap=None, n_valid=None):
   """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
   (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP.
 
   Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
   flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
   `resident` `[E]` mask, MoE layers route cache-aware (lossy) and `route_stats` holds that
-  routing's [swaps, overlap, kl] sums (else None).
+  routing's [swaps, overlap, kl] sums (else None). With `expert_cap` (opt-in, lossy), the
+  step's tokens are routed within its `expert_cap` most chosen experts (`route_capped`;
+  `route_stats` then counts the swaps).
   """
   positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)  # [S]
   with jax.named_scope("attention"):
@@ -76,6 +78,10 @@ def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: 
       return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection, None
   flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
   with jax.named_scope("route"):
+    if expert_cap is not None:
+      valid = valid_rows(x.shape, n_valid, jnp)
+      ids, w, stats = route_capped(flat, lw.mlp.router, lw.mlp.bias, cfg, valid, expert_cap)
+      return x, flat, ids, w, cache, selection, stats
     if cache_route is not None:
       ids, w, stats = route_cache_aware(flat, lw.mlp.router, lw.mlp.bias, cfg, resident,
                                         *cache_route)
@@ -119,7 +125,7 @@ class Steps:
 PURE = Steps(embed, attn_route, moe_finish, logits_of, mtp_input, mtp_output_logits)
 JITTED = Steps(
     jax.jit(embed),
-    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route"),
+    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route", "expert_cap"),
             donate_argnames=("cache",)),
     jax.jit(moe_finish),
     jax.jit(logits_of, static_argnames=("cfg",)),
@@ -210,12 +216,13 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
 
 
 def _layer(i: int, lw, x, start, n_valid, cfg: Config, cache, selection, absorbed,
-           experts: ExpertProvider, steps: Steps, route_args):
+           experts: ExpertProvider, steps: Steps, route_args, expert_cap=None):
   """One decoder layer through `steps`, its routed experts from `experts`."""
   resident, cache_route = route_args(i) if route_args is not None else (None, None)
+  cap = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": n_valid}
   x, flat, ids, w, cache, selection, stats = steps.attn_route(
       lw, x, start, cfg=cfg, cache=cache, selection=selection, absorbed=absorbed,
-      resident=resident, cache_route=cache_route)
+      resident=resident, cache_route=cache_route, **cap)
   if ids is not None:
     with jax.named_scope("experts"):
       ys = experts(i, lw.mlp, x, flat, ids, n_valid, stats)
@@ -233,7 +240,7 @@ def valid_rows(shape, n_valid, xp=np):
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
-            route_args=None):
+            route_args=None, expert_cap: int | None = None):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
@@ -248,7 +255,7 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   for i, lw in enumerate(w.layers):
     lc = None if cache is None else cache.layers[i]
     x, lc, selection = _layer(i, lw, x, start, n_valid, cfg, lc, selection, absorbed, experts,
-                              steps, route_args)
+                              steps, route_args, expert_cap)
     new_layers.append(lc)
   new_cache = None if cache is None else KVCache(new_layers, cache.length)
   return steps.logits(w, x, cfg=cfg), x, new_cache

@@ -55,6 +55,26 @@ def route(x, router, bias, cfg: Config):
   return ids.astype(jnp.int32), _weights(scores, ids, cfg)
 
 
+def route_capped(x, router, bias, cfg: Config, valid, budget: int):
+  """Lossy routing of a step's tokens `x` `[T, D]` within `budget` experts (opt-in
+  `expert_budget`, for speculative verify passes): the experts chosen by most real tokens
+  (`valid` `[T]`; ties: summed sigmoid score) are kept and each token takes its top-k among
+  them. Returns (ids, weights, per-token stats [swaps, 0, 0])."""
+  scores, choice = _scores(x, router, bias, cfg)
+  k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+  _, ids = jax.lax.top_k(choice, k)  # [T, K] the exact routing
+  picked = jnp.zeros((e,), F32).at[ids].add(valid[:, None].astype(F32))  # [E] times chosen
+  mass = jnp.sum(jnp.where(valid[:, None], scores, 0.0), axis=0)  # [E] in [0, T]
+  key = picked * (x.shape[0] + 1) + mass  # count first; score mass breaks ties
+  _, keep = jax.lax.top_k(key, min(budget, e))
+  allowed = jnp.zeros((e,), bool).at[keep].set(True)
+  _, capped = jax.lax.top_k(jnp.where(allowed, choice, -jnp.inf), k)
+  swaps = jnp.sum(~jnp.any(capped[:, :, None] == ids[:, None, :], axis=-1), axis=-1)  # [T]
+  stats = jnp.stack([swaps.astype(F32), jnp.zeros_like(swaps, F32),
+                     jnp.zeros_like(swaps, F32)], axis=-1)
+  return capped.astype(jnp.int32), _weights(scores, capped, cfg), stats
+
+
 def route_scores(x, router, bias, cfg: Config, ids, top_m: int):
   """What a routing trace keeps of one routing: (weights of `ids` `[T, K]`, the top `top_m`
   experts by selection score `[T, M]` and their sigmoid scores `[T, M]`)."""

@@ -175,11 +175,12 @@ class OffloadEngine:
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
                progress: bool = True, kernel: str = "auto", prefetch: bool = True,
                pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None,
-               expert_compute: str = "device"):
+               expert_compute: str = "device", expert_budget: int | None = None):
     if expert_compute not in PLACEMENTS:
       raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
     self.budgets = budgets
+    self.expert_budget = expert_budget  # verify passes' expert cap (opt-in, lossy) or None
     self.kernel = resolve_kernel(kernel)  # the device kernel (pinned and uploaded experts)
     self.on_cpu = jax.default_backend() == "cpu"
     self.expert_compute = expert_compute
@@ -220,6 +221,9 @@ class OffloadEngine:
                                cfg.n_routed_experts)
     self._prev_union: tuple[int, list] | None = None
     self._predicting = self.prefetch  # this forward predicts next-layer experts
+    # Stage timing (a dict of seconds by stage, or None): every step then waits for its
+    # results, so it measures where time goes at the cost of the overlap it removes.
+    self.stage_s: dict | None = None
     # The fused step (one jit per forward over the CPU-resident tiers) needs every expert in
     # CPU memory addressable by slot, and exact routing. It is tried when the tiers hold every
     # expert, or after a step that missed nothing: a cold cache does not pay for void attempts.
@@ -381,8 +385,21 @@ class OffloadEngine:
       pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
     step = _Step.of(layer, flat, ids, valid)  # the host round trip
     pilot = None if pilot is None else np.asarray(pilot)[valid]
+    t0 = time.perf_counter()
     pinned, cached, futures = self._account(layer, step.union, valid, route_stats, pilot)
+    self._stage("bookkeeping", t0)
     return self._compute(step, pinned, cached, futures)
+
+  def _stage(self, name: str, t0: float, wait=None) -> float:
+    """With stage timing on (`stage_s` a dict), adds the time since `t0` to stage `name`
+    (after waiting for `wait`'s results). Returns now."""
+    if self.stage_s is None:
+      return t0
+    if wait is not None:
+      jax.block_until_ready(wait)
+    now = time.perf_counter()
+    self.stage_s[name] = self.stage_s.get(name, 0.0) + now - t0
+    return now
 
   def _account(self, layer: int, union: list[int], valid, route_stats, pilot):
     """A layer step's tier lookups and counters, in union order: (pinned, host-cached, miss
@@ -437,6 +454,7 @@ class OffloadEngine:
     Pinned experts run as one kernel call over the pin pool, host-cached ones as one call over
     the host slab (or uploaded, under device placement on an accelerator), and each miss on
     its own as its read lands."""
+    t_compute, wait0 = time.perf_counter(), self.reader.wait_s
     layer, dev = step.layer, self.device.get(step.layer)
     layout = self.store.layout(layer)
     miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
@@ -477,6 +495,10 @@ class OffloadEngine:
     out = jnp.asarray(miss_terms)
     for active, terms in parts:
       out = merge_terms(jnp.asarray(active), terms, out)
+    if self.stage_s is not None:  # compute: the step's time less what it waited for reads
+      self._stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
+      self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0
+    t0 = time.perf_counter()
     # Tier bookkeeping in union order, whatever order the reads completed in.
     protect = {(layer, e) for e in step.union}
     for e in step.union:
@@ -490,6 +512,7 @@ class OffloadEngine:
       elif e in slots:
         sources[e] = (slab.pool, slots[e])
     self._admit(layer, step.union, sources)
+    self._stage("bookkeeping", t0)
     return out
 
   def _host_expert(self, step: _Step, e: int, w: ExpertWeights, out: np.ndarray) -> None:
@@ -572,10 +595,11 @@ class OffloadEngine:
 
   def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
               n_valid: int | None = None, record: list | None = None,
-              record_opts: RecordOptions = RecordOptions()):
+              record_opts: RecordOptions = RecordOptions(), expert_cap: int | None = None):
     """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`
     (the first `n_valid` positions real, the rest padding that never routes). With `record`
-    (a list), each MoE layer's routing record (`route_record`) is appended to it."""
+    (a list), each MoE layer's routing record (`route_record`) is appended to it. With
+    `expert_cap`, each MoE layer routes the step within that many experts (lossy, opt-in)."""
     self._prev_union = None
     if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
       tokens = jnp.asarray(tokens, jnp.int32)
@@ -584,7 +608,8 @@ class OffloadEngine:
     # With every expert held there is nothing to fetch: prediction (pilot, co-activation
     # learning and their statistics) pauses rather than cost time per layer.
     self._predicting = self.prefetch and not all_cached
-    if self.fused and record is None and (self._fused_ready or all_cached):
+    if self.fused and record is None and self.stage_s is None and expert_cap is None and (
+        self._fused_ready or all_cached):
       out, cache = self._fused(tokens, cache, absorbed, n_valid)
     if out is None:
       misses = self.stats["expert_misses"]
@@ -593,12 +618,28 @@ class OffloadEngine:
       if record is not None:
         experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
       out = forward(self.dense, tokens, self.cfg, cache, absorbed, experts=experts,
-                    steps=JITTED, n_valid=n_valid,
-                    route_args=self._route_args if aware else None)
+                    steps=self._steps(), n_valid=n_valid,
+                    route_args=self._route_args if aware else None, expert_cap=expert_cap)
       self._fused_ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
     return out
+
+  def _steps(self):
+    """The jitted pieces, each timed into `stage_s` (waiting for its results) when on."""
+    if self.stage_s is None:
+      return JITTED
+    def timed(name, fn):
+      def call(*args, **kw):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kw))
+        self._stage(name, t0)
+        return out
+      return call
+    return dataclasses.replace(
+        JITTED, embed=timed("embed", JITTED.embed),
+        attn_route=timed("attention_route", JITTED.attn_route),
+        finish=timed("combine", JITTED.finish), logits=timed("lm_head", JITTED.logits))
 
   def _all_cached(self) -> bool:
     """Every routed expert of the main layers is held by a tier: no step can miss."""

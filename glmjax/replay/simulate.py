@@ -291,3 +291,24 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
           "expert_bytes": trace.expert_bytes, "prefetch_issued": issued,
           "prefetch_useful": useful, "prefetch_late": late_n, "prefetch_wasted": wasted,
           "layer_misses": layer_misses}
+
+
+def prediction_mask(trace: Trace, pilot_k: int | None = None,
+                    mass: float | None = None) -> np.ndarray:
+  """[N, L, P] bool: which of `trace.pilot`'s ids a prefetch model fetches, exactly as
+  `simulate` selects them: the top `pilot_k` (prefetch="pilot") or, with `mass`, the ids up to
+  that softmax mass of the recorded pilot scores (prefetch="mass"). Rows with no prediction
+  (layer 0, ids -1) are all False. Give exactly one of the two."""
+  if trace.pilot is None:
+    raise InputError("prediction_mask needs a trace recorded with pilot predictions")
+  if (pilot_k is None) == (mass is None):
+    raise InputError("give exactly one of pilot_k= and mass=")
+  if pilot_k is not None:
+    if int(pilot_k) != pilot_k or pilot_k < 1:
+      raise InputError(f"pilot_k must be an integer ≥ 1, got {pilot_k!r}")
+    take = np.broadcast_to(np.arange(trace.pilot.shape[2]) < pilot_k, trace.pilot.shape)
+  else:
+    if not 0 < mass <= 1:
+      raise InputError(f"mass must be in (0, 1], got {mass}")
+    take = _mass_take(trace.pilot_scores, mass)
+  return take & (trace.pilot >= 0)
