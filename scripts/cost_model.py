@@ -322,7 +322,13 @@ def calibrations(geo, hw, budgets: list[dict]) -> dict:
     per.append({"host_frac": b["host_frac"], **r, "implied_layer_overhead_s": implied,
                 "breakdown_s": {k: parts[k] for k in ("dense_s", "overhead_s", "pin_s",
                                                        "host_s", "miss_s")}})
+  # Diagnostic: the implied overheads regressed on misses per layer. A slope well above 0
+  # is a fixed cost per miss (thread hand-offs, per-expert Python) the bandwidth terms lack.
+  xs = np.array([b["hits"]["miss"] for b in budgets])
+  ys = np.array([r["implied_layer_overhead_s"] for r in per])
+  slope = (float(np.polyfit(xs, ys, 1)[0]) if len(set(xs.tolist())) > 1 else None)
   return {"layer_overhead_s": fit["layer_overhead_s"], "runs": per,
+          "diagnostic_fixed_s_per_miss": slope,
           "max_abs_rel_error": fit["max_abs_rel_error"],
           "within_25pct": fit["max_abs_rel_error"] <= 0.25, "leave_one_out_rel_errors": loo}
 
@@ -527,7 +533,8 @@ def summary(r: dict) -> str:
       f"per-miss path {k['engine_path_gbs']:.3f} GB/s ({k['engine_path_median_s'] * 1e6:.1f} µs)"
       f"; memcpy {hw['h2d_gbs']:.1f} GB/s; dense {r['dense']['dense_s_per_token'] * 1e3:.3f} "
       f"ms/token; layer overhead fitted {a['layer_overhead_s'] * 1e3:.3f} ms (engine-path fit "
-      f"{b['layer_overhead_s'] * 1e3:.3f} ms)", "",
+      f"{b['layer_overhead_s'] * 1e3:.3f} ms); implied overheads regressed on misses per layer:"
+      f" {(a['diagnostic_fixed_s_per_miss'] or 0) * 1e3:.3f} ms per miss not in the model", "",
       "| host budget | hit rate | pin/host/miss per layer | measured ms/token | implied "
       "overhead ms/layer | predicted (kernel, O_DIRECT) | error | LOO | predicted (engine path) "
       "| error | LOO |",
