@@ -21,7 +21,9 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "Trace directory (written by glmjax.replay.TraceWriter).")
-flags.DEFINE_list("policies", ["lru", "lfu", "belady", "static"], "Policies to run.")
+flags.DEFINE_list("policies", ["lru", "lfu", "belady", "static"], "Policies to run: lru, lfu, "
+                  "lfru, static, belady, and engine (the engine's host LRU with the bytes of "
+                  "that many slots per layer, all layers sharing it; needs a trace of a store).")
 flags.DEFINE_list("capacities", [], "Slots per MoE layer; default 1, 2, 4, ... up to E.")
 flags.DEFINE_list("prefetch", [], "Prefetch models (pilot, couple, mass) for lru/lfu/...")
 flags.DEFINE_integer("pilot_k", 6, "Pilot ids prefetched per position.")
@@ -90,7 +92,7 @@ def run() -> int:
   from glmjax.errors import GlmjaxError, InputError
   try:
     trace = Trace.open(FLAGS.trace)
-    bad = [p for p in FLAGS.policies if p not in POLICIES]
+    bad = [p for p in FLAGS.policies if p not in POLICIES and p != "engine"]
     if bad:
       raise InputError(f"unknown policy {bad}; known: {', '.join(sorted(POLICIES))}")
     try:
@@ -100,16 +102,29 @@ def run() -> int:
     runs = [(p, c) for p in FLAGS.policies for c in caps]
     records = []
     for p, c in tqdm(runs, desc="simulating", unit="run", file=sys.stderr):
-      pf = tuple(FLAGS.prefetch) if POLICIES[p].prefetch_ok else ()
       t0 = time.perf_counter()
-      r = simulate(trace, p, per_layer=c, prefetch=pf, pilot_k=FLAGS.pilot_k,
-                   couple_k=FLAGS.couple_k, mass=FLAGS.mass, per_token=FLAGS.per_token)
+      if p == "engine":  # the engine's host LRU holding as many bytes as c slots per layer
+        pf = ()
+        if trace.expert_bytes <= 0:
+          raise InputError("policy engine needs a trace with expert_bytes (replay a store)")
+        gb = (c * trace.n_layers * trace.expert_bytes + 0.5) / 2**30
+        r = simulate(trace, "engine", device_cache_gb=0, host_cache_gb=gb,
+                     per_token=FLAGS.per_token)
+        r["capacity"] = c
+      else:
+        pf = tuple(FLAGS.prefetch) if POLICIES[p].prefetch_ok else ()
+        r = simulate(trace, p, per_layer=c, prefetch=pf, pilot_k=FLAGS.pilot_k,
+                     couple_k=FLAGS.couple_k, mass=FLAGS.mass, per_token=FLAGS.per_token)
       r["seconds"] = round(time.perf_counter() - t0, 3)
       r["label"] = "+".join([p, *pf])
       records.append(r)
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  bound = {r["capacity"]: r["hit_rate"] for r in records if r["label"] == "belady"}
+  for r in records:  # each policy as a fraction of the optimum at its capacity
+    if bound.get(r["capacity"]):
+      r["fraction_of_belady"] = r["hit_rate"] / bound[r["capacity"]]
   os.makedirs(FLAGS.out, exist_ok=True)
   report = {"trace": os.path.abspath(FLAGS.trace), "positions": trace.n_positions,
             "moe_layers": trace.n_layers, "n_experts": trace.n_experts, "top_k": trace.top_k,

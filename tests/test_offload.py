@@ -267,17 +267,22 @@ def test_peak_rss_within_budget(big_store):
   assert cached > total / 2 and everything >= 0.8 * cached, (everything, cached)
 
 
+def _router_config(experts: int, top_k: int):
+  """A one-layer config whose only purpose is routing (D = 16)."""
+  from glmjax.model.config import Config
+  return Config.from_dict({
+      "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+      "v_head_dim": 4, "n_routed_experts": experts, "num_experts_per_tok": top_k})
+
+
 def test_cache_aware_routing_matches_definition():
   """Chosen experts: true top-J, then resident ones among the top-M in rank order, then the
   best-ranked others (a loop reference over biased scores)."""
   import jax.numpy as jnp
-  from glmjax.model.config import Config
   from glmjax.model.moe import route_cache_aware
-  cfg = Config.from_dict({
-      "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
-      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
-      "v_head_dim": 4, "n_routed_experts": 32, "num_experts_per_tok": 6})
+  cfg = _router_config(32, 6)
   rng = np.random.default_rng(0)
   x = rng.standard_normal((20, 16)).astype(np.float32)
   router = rng.standard_normal((32, 16)).astype(np.float32)
@@ -318,13 +323,8 @@ def test_capped_routing_matches_definition():
   """expert_budget's routing: keep the experts most real tokens chose (ties: summed sigmoid
   score), then each token's top-k by biased score among them (a loop reference)."""
   import jax.numpy as jnp
-  from glmjax.model.config import Config
   from glmjax.model.moe import route_capped
-  cfg = Config.from_dict({
-      "model_type": "glm_moe_dsa", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
-      "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-      "q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
-      "v_head_dim": 4, "n_routed_experts": 16, "num_experts_per_tok": 4})
+  cfg = _router_config(16, 4)
   rng = np.random.default_rng(1)
   x = rng.standard_normal((7, 16)).astype(np.float32)
   router = rng.standard_normal((16, 16)).astype(np.float32)
