@@ -208,14 +208,14 @@ class Model:
     round's position, tokens, logits and accepted count.
 
     `trace` writes a routing trace of this run to that directory (glmjax.replay.Trace): every
-    forward pass is a step; offloaded models also record the tiers' starting state, so
-    `glmjax.replay.simulate(trace, "engine", ...)` can replay the run. Not with `draft` yet.
+    main forward pass is a step (with `draft`, each verify pass: its token and drafts, noted in
+    `trace.live["verify"]`); offloaded models also record the tiers' starting state, so
+    `glmjax.replay.simulate(trace, "engine", ...)` can replay a plain run (a speculative run's
+    MTP layer shares the tiers and is not in the trace).
     """
     self._check_open()
     if trace is not None and os.path.lexists(trace):
       raise InputError(f"trace {trace}: already exists; a trace is never written over another")
-    if trace is not None and draft:
-      raise InputError("trace= records plain decoding; speculative runs (draft) are not traced")
     ids = (self.tokenizer.encode(prompt_tokens)
            if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
     prompt_ids = self._tokens(ids, 1)
@@ -344,6 +344,7 @@ class Model:
     from glmjax.decoding import speculative
     backend = (speculative.EngineBackend(self) if self.offloaded
                else speculative.ResidentBackend(self))
+    backend.recorder = req.recorder
     t0 = time.perf_counter()
     spec = speculative.run(backend, self.config, cache, toks, n, req.max_new_tokens, req.emit,
                            req.picker, draft, req.seed, on_round)

@@ -42,7 +42,7 @@ flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
                      "config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_string("trace", None, "Write a routing trace of this run to this directory "
-                    "(glmjax.replay.Trace; not with --draft).")
+                    "(glmjax.replay.Trace).")
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
                     "or 'auto' (chosen from live throughput).")
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.

@@ -135,3 +135,30 @@ def test_replay_script_with_default_flags(tmp_path):
   again = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "replay.py"),
                           f"--out={out}"], capture_output=True, text=True, timeout=600)
   assert again.returncode == 1 and "already exists" in again.stderr
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_speculative_runs_are_traced(embedded_store, tmp_path, offloaded):
+  """With draft, every verify pass is a step holding its token and all its drafts; the live
+  notes account for every proposed and accepted draft."""
+  if offloaded:
+    total = store_geometry(embedded_store)["expert_bytes_total"]
+    model = glmjax.load(_fresh_store(embedded_store, tmp_path / "store"), progress=False,
+                        device_cache_gb=0, host_cache_gb=0.5 * total / GB, prefetch=False)
+  else:
+    model = glmjax.load(progress=False)
+  out = str(tmp_path / "spec")
+  r = model.generate(PROMPT, 12, stop_ids=[], draft=2, trace=out)
+  trace = Trace.open(out)
+  verify = trace.live["verify"]
+  assert len(verify) == r.stats["verify_forwards"]
+  assert sum(v["drafts"] for v in verify) == r.stats["draft_proposed"]
+  assert sum(v["accepted"] for v in verify) == r.stats["draft_accepted"]
+  sizes = np.bincount(trace.steps)
+  assert sizes[0] == len(PROMPT)  # the prefill's real positions only
+  assert [int(s) for s in sizes[1:]] == [1 + v["drafts"] for v in verify]
+  assert [v["step"] for v in verify] == list(range(1, len(verify) + 1))
+  # Accepted tokens are the generated ones: each verify step starts with the token it verifies.
+  firsts = trace.tokens[np.searchsorted(trace.steps, np.arange(1, len(verify) + 1))]
+  assert set(int(t) for t in firsts) <= set(r.tokens)
+  model.close()

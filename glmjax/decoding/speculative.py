@@ -26,20 +26,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config
-from glmjax.model.forward import KVCache, bucket, decode_fn, mtp_fn
+from glmjax.model.forward import KVCache, RecordOptions, bucket, decode_fn, mtp_fn, stack_records
 from glmjax.model.mtp import init_mtp_cache
 
 
 # --- backends: the resident jitted forward, or the offload engine ---------------------------
 
 class ResidentBackend:
+  recorder = None  # glmjax.replay.record.LiveRecorder when the run is traced
+
   def __init__(self, model):
     self.w, self.cfg = model.weights, model.config
     self.kernel = model.options.moe_kernel
 
-  def main(self, cache, tokens, absorbed):
+  def main(self, cache, tokens, absorbed, n_valid=None):
     """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
-    return decode_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed)
+    record = RecordOptions() if self.recorder is not None else None
+    out = decode_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed,
+                    record=record)
+    if record is not None:
+      n = tokens.shape[1] if n_valid is None else n_valid
+      self.recorder.add(np.asarray(tokens)[0, :n], out[3], slice(0, n))
+    return out[:3]
 
   def mtp(self, h, next_tokens, cache, start):
     return mtp_fn(self.w, h, next_tokens, cache, jnp.asarray(start, jnp.int32), cfg=self.cfg,
@@ -47,14 +55,21 @@ class ResidentBackend:
 
 
 class EngineBackend:
+  recorder = None
+
   def __init__(self, model):
     self.engine = model.engine
 
-  def main(self, cache, tokens, absorbed):
+  def main(self, cache, tokens, absorbed, n_valid=None):
     # A verify pass (absorbed, with drafts after the token; the prefill is not absorbed) may
-    # be capped to `expert_budget` experts a layer.
+    # be capped to `expert_budget` experts a layer. The prefill's padding never routes.
     cap = self.engine.expert_budget if absorbed and tokens.shape[1] > 1 else None
-    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed, expert_cap=cap)
+    rec = [] if self.recorder is not None else None
+    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed, expert_cap=cap,
+                                           n_valid=n_valid, record=rec)
+    if rec is not None:
+      n = tokens.shape[1] if n_valid is None else n_valid
+      self.recorder.add(np.asarray(tokens)[0, :n], stack_records(rec), slice(0, n))
     return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
 
   def mtp(self, h, next_tokens, cache, start):
@@ -166,7 +181,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
   start = int(cache.length)
   cap = cache.layers[0].latent.shape[1]
   t0 = time.perf_counter()
-  logits, x, cache = backend.main(cache, toks, absorbed=False)
+  logits, x, cache = backend.main(cache, toks, absorbed=False, n_valid=n)
   cache = KVCache(cache.layers, jnp.asarray(start + n, jnp.int32))
   prompt = np.asarray(toks[0, :n])
   tok = picker.pick(logits[0, n - 1])
@@ -216,6 +231,8 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     verify = jnp.asarray([[tok] + drafts], jnp.int32)
     logits, xv, cache = backend.main(cache, verify, absorbed=True)
     a, nxt = accept(logits[0], drafts, picker, rng, emit)
+    if backend.recorder is not None:  # the trace's step: which positions were drafts
+      backend.recorder.mark(drafts=k, accepted=a)
     st["emitted"] += a
     if on_round is not None:
       on_round(dict(position=p, tokens=[tok] + drafts, logits=np.asarray(logits[0]), accepted=a))

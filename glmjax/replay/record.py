@@ -45,6 +45,7 @@ class LiveRecorder:
     self.parts: list[dict] = []
     self.tokens: list[np.ndarray] = []
     self.steps: list[np.ndarray] = []
+    self.verify: list[dict] = []  # speculative runs: each verify step's drafts and acceptance
 
   def add(self, tokens, records: dict, rows) -> None:
     """One forward pass: `tokens` of its real positions and `records` `[L, T, ...]`."""
@@ -53,9 +54,15 @@ class LiveRecorder:
     self.tokens.append(np.asarray(tokens, np.int32).reshape(-1))
     self.steps.append(np.full(len(self.tokens[-1]), step, np.int64))
 
+  def mark(self, **info) -> None:
+    """Notes of the last step (a verify pass: `drafts` positions after its first, `accepted`)."""
+    self.verify.append({"step": len(self.tokens) - 1, **info})
+
   def save(self) -> Trace:
     cat = {k: np.concatenate([p[k] for p in self.parts]) for k in self.parts[0]}
     live = {"initial": self.initial} if self.initial is not None else {}
+    if self.verify:
+      live["verify"] = self.verify
     trace = Trace.from_ids(
         cat["ids"], weights=cat["weights"], tokens=np.concatenate(self.tokens),
         steps=np.concatenate(self.steps), scores=cat["scores"], score_ids=cat["score_ids"],
