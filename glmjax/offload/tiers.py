@@ -77,6 +77,9 @@ class HostCache:
     return list(self._items)
 
 
+WRITE_BATCH = 8  # experts per slab write: few calls per layer step, a small transient
+
+
 class HostSlab:
   """The host-cached experts of one chunk layout, in the slots of one pool on the CPU device.
 
@@ -101,11 +104,15 @@ class HostSlab:
     return self.free.pop()
 
   def write(self, slots: list[int], blobs: list[np.ndarray]) -> None:
-    """Writes chunk bytes into `slots`, all in one donated in-place call."""
-    n = bucket_size(len(slots))  # padded (repeating the last write) so few shapes compile
-    slots = np.asarray(slots + slots[-1:] * (n - len(slots)), np.int32)
-    stacked = np.stack(blobs + blobs[-1:] * (n - len(blobs)))  # [n, nbytes] uint8
-    self.pool = _install_blobs(self.pool, slots, stacked, self.layout)
+    """Writes chunk bytes into `slots`, up to WRITE_BATCH experts per donated in-place call
+    (a batch costs about twice its bytes in transient memory: the stacked chunks and their
+    unpacked fields)."""
+    for i in range(0, len(slots), WRITE_BATCH):
+      part, chunk = slots[i:i + WRITE_BATCH], blobs[i:i + WRITE_BATCH]
+      n = bucket_size(len(part))  # padded (repeating the last write) so few shapes compile
+      ids = np.asarray(part + part[-1:] * (n - len(part)), np.int32)
+      stacked = np.stack(chunk + chunk[-1:] * (n - len(chunk)))  # [n, nbytes] uint8
+      self.pool = _install_blobs(self.pool, ids, stacked, self.layout)
 
 
 class HostSlabs:
