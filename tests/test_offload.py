@@ -260,6 +260,8 @@ def test_peak_rss_within_budget(big_store):
   margin = 2 * 64 * chunk + (32 << 20)
   capped, capped_cached = _peak_rss(path, budget / GB)
   everything, cached = _peak_rss(path, 1.0)
+  print(f"peak RSS growth: {capped / 2**20:.1f} MB at an 8 MB budget (bound "
+        f"{(budget + margin) / 2**20:.1f}), {everything / 2**20:.1f} MB caching {cached / 2**20:.1f} MB")
   assert capped_cached <= budget
   assert capped <= budget + margin, capped
   # The measurement can fail: caching every expert the run touched (most of the store) raises
