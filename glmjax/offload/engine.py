@@ -161,7 +161,7 @@ class _Step:
     cuts = np.flatnonzero(np.diff(chosen)) + 1
     pairs = {int(c[0]): (tt, kk) for c, tt, kk in zip(np.split(chosen, cuts), np.split(t, cuts),
                                                       np.split(k, cuts)) if c.size}
-    return cls(layer, None if flat is None else np.asarray(flat, np.float32), ids_np, pairs)
+    return cls(layer, np.asarray(flat, np.float32), ids_np, pairs)
 
   @property
   def union(self) -> list[int]:

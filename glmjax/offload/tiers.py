@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glmjax.model.forward import bucket
 from glmjax.model.quant import ExpertPool, ExpertWeights
 
 # LFRU re-pin hysteresis: a candidate replaces the coldest pinned expert only when its heat
@@ -84,10 +85,10 @@ class HostSlab:
   """The host-cached experts of one chunk layout, in the slots of one pool on the CPU device.
 
   Slot-addressed storage lets one jitted call compute every cached expert of a layer through a
-  slot table (the engine's fused step), and an install is a donated in-place write of one
-  expert. The pool is allocated whole (`max_slots`: the budget's worth, at most every expert of
-  the layout) on the first insert: the LRU fills it in a long run anyway, and a pool that grew
-  would change the fused step's shapes, recompiling it at every growth.
+  slot table (the engine's fused step), and writes are donated in-place calls of a few
+  experts each. The pool is allocated whole (`max_slots`: the budget's worth, at most every
+  expert of the layout) on the first insert: the LRU fills it in a long run anyway, and a pool
+  that grew would change the fused step's shapes, recompiling it at every growth.
   """
 
   def __init__(self, layout, max_slots: int):
@@ -109,7 +110,7 @@ class HostSlab:
     unpacked fields)."""
     for i in range(0, len(slots), WRITE_BATCH):
       part, chunk = slots[i:i + WRITE_BATCH], blobs[i:i + WRITE_BATCH]
-      n = bucket_size(len(part))  # padded (repeating the last write) so few shapes compile
+      n = bucket(len(part))  # padded (repeating the last write) so few shapes compile
       ids = np.asarray(part + part[-1:] * (n - len(part)), np.int32)
       stacked = np.stack(chunk + chunk[-1:] * (n - len(chunk)))  # [n, nbytes] uint8
       self.pool = _install_blobs(self.pool, ids, stacked, self.layout)
@@ -248,11 +249,6 @@ def _install_blobs(pool: ExpertPool, slots, blobs, layout) -> ExpertPool:
   gp, gs, dp, ds = (leaf.at[slots].set(part) for leaf, part in zip(leaves, parts))
   return ExpertPool(dataclasses.replace(pool.gate_up, packed=gp, scales=gs),
                     dataclasses.replace(pool.down, packed=dp, scales=ds))
-
-
-def bucket_size(n: int) -> int:
-  """Next power of two ≥ n."""
-  return 1 << max(0, (n - 1).bit_length())
 
 
 # Copies one pool slot into another pool on the same device (host slab → pin pool on a CPU-only
