@@ -13,6 +13,7 @@ into rows; padding is never recorded. Read the result with glmjax.replay.Trace.o
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 T_START = time.perf_counter()  # the whole command, imports included
@@ -99,10 +100,18 @@ def main(argv):
     with glmjax.load(FLAGS.model, progress=False, **budgets) as model:
       if model.tokenizer is None:
         raise glmjax.InputError(f"{model.path}: no tokenizer.json; a text corpus needs one")
-      sequences = [np.asarray(model.tokenizer.encode(t), np.int32) for _, t in texts]
-      total = sum(len(s) for s in sequences)
-      n = min(total, FLAGS.max_tokens) if FLAGS.max_tokens else total
       opts = RecordOptions(FLAGS.top_m, FLAGS.pilot_p)
+      # The step compiles (over a second on a cold start) on a worker thread while this one
+      # tokenizes the corpus and creates the trace: XLA compiles without holding the GIL.
+      warm = None if model.offloaded else concurrent.futures.ThreadPoolExecutor(1).submit(
+          model.record_routing, np.zeros((FLAGS.batch, FLAGS.seq), np.int32), opts, False)
+      sequences, total = [], 0
+      for _, t in texts:  # only as much of the corpus as the replay reads
+        if FLAGS.max_tokens and total >= FLAGS.max_tokens:
+          break
+        sequences.append(np.asarray(model.tokenizer.encode(t), np.int32))
+        total += len(sequences[-1])
+      n = min(total, FLAGS.max_tokens) if FLAGS.max_tokens else total
       eng = model.engine
       meta = record.manifest(model.config, model.moe_layers, eng.chunk_bytes if eng else 0, opts,
                              source="replay", batch=FLAGS.batch, seq=FLAGS.seq,
@@ -118,6 +127,8 @@ def main(argv):
 
       with record.writer(FLAGS.out, meta, n, (min(opts.top_m, e), min(opts.pilot_p, e))) as out, \
           tqdm(total=n, unit="tok", unit_scale=True, desc="replay") as bar:
+        if warm is not None:
+          warm.result()  # compiled (and any error raised here, in order)
         pending = dispatch(groups[0]) if groups else None
         for step, group in enumerate(groups):
           recs = pending

@@ -25,7 +25,8 @@ flags.DEFINE_list("policies", ["lru", "lfu", "belady", "static"], "Policies to r
                   "lfru, static, belady, and engine (the engine's host LRU with the bytes of "
                   "that many slots per layer, all layers sharing it; needs a trace of a store).")
 flags.DEFINE_list("capacities", [], "Slots per MoE layer; default 1, 2, 4, ... up to E.")
-flags.DEFINE_list("prefetch", [], "Prefetch models (pilot, couple, mass) for lru/lfu/...")
+flags.DEFINE_list("prefetch", [], "Prefetch models (pilot, couple, mass, verify: the pilot over "
+                  "speculative verify passes) for lru/lfu/...")
 flags.DEFINE_integer("pilot_k", 6, "Pilot ids prefetched per position.")
 flags.DEFINE_integer("couple_k", 4, "Co-activation prefetches per layer.")
 flags.DEFINE_float("mass", None, "Softmax mass of the mass prefetch model (default 0.9).")

@@ -272,6 +272,32 @@ def test_couple_prefetch_learns_online():
   assert simulate(t, "lru", per_layer=1)["layer_misses"] == [3, 3]
 
 
+def test_verify_prefetch_fetches_the_pilot_union_of_verify_passes():
+  """Step 0 is a prefill, steps 1 and 2 verify passes of a token and one draft. Under "verify"
+  only the verify passes prefetch, each the union of its positions' pilot top-1."""
+  steps = np.array([0, 0, 1, 1, 2, 2])
+  t = tiny([0, 0, 0, 0, 0, 0], [1, 2, 1, 3, 2, 3], [1, 2, 1, 3, 2, 3], steps=steps,
+           live={"verify": [{"step": 1, "drafts": 1, "accepted": 1},
+                            {"step": 2, "drafts": 1, "accepted": 0}]})
+  r = simulate(t, "lru", per_layer=3, prefetch=("verify",), pilot_k=1)
+  # The prefill misses 1 and 2; step 1 wants {1, 3} and fetches 3; step 2 finds {2, 3} held.
+  assert (r["prefetch_issued"], r["prefetch_useful"]) == (1, 1)
+  assert r["layer_misses"] == [1, 2]
+  assert simulate(t, "lru", per_layer=3)["layer_misses"] == [1, 3]
+  # Where every step is a verify pass, "verify" is "pilot"; where none carries drafts, nothing.
+  every = dict(t.live, verify=[{"step": s, "drafts": 1, "accepted": 0} for s in range(3)])
+  t_all = tiny([0] * 6, [1, 2, 1, 3, 2, 3], [1, 2, 1, 3, 2, 3], steps=steps, live=every)
+  strip = lambda r: {k: v for k, v in r.items() if k != "prefetch"}
+  assert strip(simulate(t_all, "lru", per_layer=2, prefetch=("verify",), pilot_k=1)) == strip(
+      simulate(t_all, "lru", per_layer=2, prefetch=("pilot",), pilot_k=1))
+  none = {"verify": [{"step": s, "drafts": 0, "accepted": 0} for s in range(3)]}
+  t_none = tiny([0] * 6, [1, 2, 1, 3, 2, 3], [1, 2, 1, 3, 2, 3], steps=steps, live=none)
+  assert strip(simulate(t_none, "lru", per_layer=2, prefetch=("verify",), pilot_k=1)) == strip(
+      simulate(t_none, "lru", per_layer=2))
+  with pytest.raises(InputError, match="live speculative trace"):
+    simulate(tiny([0], [1], [1]), "lru", per_layer=2, prefetch=("verify",))
+
+
 def test_a_registered_policy_plugs_in():
   from glmjax.replay import POLICIES, Policy, register
 

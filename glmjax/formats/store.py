@@ -34,7 +34,7 @@ from glmjax.model.config import Config
 from glmjax.formats.checkpoint import require_finite
 from glmjax.errors import CheckpointError
 from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
-from glmjax.model.weights import MoE, Weights, abstract, is_info
+from glmjax.model.weights import MoE, Weights, abstract, is_info, to_device
 
 FORMAT = "glmjax-expert-store"
 FORMAT_VERSION = 1
@@ -272,7 +272,7 @@ def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
                               f"({', '.join(infos[k].hf_names)})")
       require_finite(a, part_dir, ", ".join(infos[k].hf_names))
     filled[name] = jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(arrays[k], dtype=i.dtype) for k, i in infos.items()])
+        treedef, [to_device(arrays[k], i.dtype) for k, i in infos.items()])
   g = filled["global"]
   return cfg, Weights(embed=g["embed"], layers=[filled[f"layer_{i:03d}"] for i in
                                                 range(cfg.num_hidden_layers)],

@@ -64,7 +64,10 @@ def indexer_select(ix: Indexer, x, q_lat, keys: Keys, visible, cfg: Config, cos,
   score = jnp.einsum("bsg,bsgt->bst", w, jax.nn.relu(logits))  # [B, S, T]
   score = jnp.where(visible, score, -jnp.inf)
   _, top = jax.lax.top_k(score, cfg.index_topk)  # [B, S, K]
-  return jnp.any(top[..., None] == jnp.arange(t), axis=-2)  # [B, S, T]
+  # A scatter of the kept indices: comparing every kept index with every key instead builds
+  # [B, S, K, T] (3.3× slower for 1024 queries: 92 against 28 ms on 2 cores).
+  rows = (jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None])
+  return jnp.zeros((b, s, t), bool).at[(*rows, top)].set(True)  # [B, S, T]
 
 
 def indexer_keys(ix: Indexer, x, cfg: Config, cos, sin):

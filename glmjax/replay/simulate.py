@@ -6,6 +6,11 @@ each expert once). Request q is (step q // L, layer q % L). A resident expert is
 read once, and after the whole union is served the misses are admitted in union order, never
 evicting a member of the union (HostCache's rule). Prefetch models fetch predicted experts of
 layer j+1 right after layer j.
+
+The MTP verify-union model ("verify") is the pilot over a speculative run's verify passes: each
+position of the pass (its token and every draft) predicts layer j+1, and the union of those
+predictions is fetched, so the drafts steer the reads (colibri's per-position pilot over the
+draft window). Plain decode steps fetch nothing under it; it needs a live speculative trace.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from glmjax.errors import InputError
 from glmjax.replay.policies import POLICIES
 from glmjax.replay.trace import Trace
 
-PREFETCH = ("pilot", "couple", "mass")
+PREFETCH = ("pilot", "couple", "mass", "verify")
 DEFAULT_MASS = 0.9
 
 
@@ -136,6 +141,12 @@ def _mass_take(pilot_scores: np.ndarray, mass: float) -> np.ndarray:
   return np.arange(pilot_scores.shape[-1]) < count[..., None]
 
 
+def _verify_rows(trace: Trace) -> np.ndarray:
+  """[N] bool: positions of verify passes that carried drafts (from the live notes)."""
+  steps = [v["step"] for v in trace.live.get("verify", []) if v.get("drafts", 0) > 0]
+  return np.isin(trace.steps, np.asarray(steps, np.int64))
+
+
 def _check(trace, policy, per_layer, total, prefetch, pilot_k, couple_k, mass, io_per_layer):
   if not isinstance(trace, Trace):
     raise InputError(f"simulate wants a Trace, got {type(trace).__name__}")
@@ -151,8 +162,11 @@ def _check(trace, policy, per_layer, total, prefetch, pilot_k, couple_k, mass, i
     raise InputError(f"unknown prefetch model(s) {bad}; known: {', '.join(PREFETCH)}")
   if prefetch and not POLICIES[policy].prefetch_ok:
     raise InputError(f"policy {policy!r} takes no prefetch (it is a bound or a fixed set)")
-  if ({"pilot", "mass"} & set(prefetch)) and trace.pilot is None:
-    raise InputError("pilot/mass prefetch needs a trace recorded with pilot predictions")
+  if ({"pilot", "mass", "verify"} & set(prefetch)) and trace.pilot is None:
+    raise InputError("pilot/mass/verify prefetch needs a trace recorded with pilot predictions")
+  if "verify" in prefetch and not trace.live.get("verify"):
+    raise InputError("verify prefetch needs a live speculative trace (generate(draft=k, "
+                     "trace=...)): this trace notes no verify pass")
   if pilot_k < 1 or couple_k < 1:
     raise InputError(f"pilot_k and couple_k must be ≥ 1, got {pilot_k}/{couple_k}")
   if mass is not None and not 0 < mass <= 1:
@@ -172,7 +186,8 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
   per_layer=c: each MoE layer has its own cache of c experts; total=n: one cache of n experts
   shared by all layers. prefetch: names from PREFETCH ("pilot": the top `pilot_k` pilot ids of
   layer j+1; "couple": the `couple_k` layer-(j+1) experts most co-activated with layer j's
-  union, learned online; "mass": pilot ids up to softmax mass `mass`, default 0.9), fetched
+  union, learned online; "mass": pilot ids up to softmax mass `mass`, default 0.9; "verify": the
+  top `pilot_k` pilot ids of every position of a speculative verify pass, drafts included), fetched
   after layer j is served. io_per_layer: bytes a layer's compute hides; prefetches beyond it
   arrive late (their demand counts as a miss, without a second read).
   Returns the counters: hits, misses, requests, hit_rate, reads, bytes_read, prefetch_*.
@@ -207,6 +222,10 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
     cand.append(_ranked_csr(st.step_index, st.n_steps, trace.pilot, take, e))
   if "mass" in prefetch:
     take = _mass_take(trace.pilot_scores, DEFAULT_MASS if mass is None else mass)
+    cand.append(_ranked_csr(st.step_index, st.n_steps, trace.pilot, take, e))
+  if "verify" in prefetch:
+    take = np.broadcast_to(np.arange(trace.pilot.shape[2]) < pilot_k, trace.pilot.shape)
+    take = take & _verify_rows(trace)[:, None, None]
     cand.append(_ranked_csr(st.step_index, st.n_steps, trace.pilot, take, e))
   couple = np.zeros((max(l - 1, 0), e, e), np.int64) if "couple" in prefetch else None
   in_time = None if io_per_layer is None else int(io_per_layer) // trace.expert_bytes
