@@ -1,0 +1,81 @@
+"""bench_decode's limit arithmetic (fake timings and small traces) and the script itself."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from glmjax.errors import InputError
+from glmjax.replay import Trace
+from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
+from glmjax.reporting import disk_read_gbs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_limit_is_the_larger_of_compute_and_belady_reads():
+  # 3 GB at 1.5 GB/s over 4 tokens: 0.5 s per token of reads against 0.25 s of compute.
+  r = decode_limit(compute_s=1.0, io_bytes=3_000_000_000, disk_gbs=1.5, measured_s=10.0, tokens=4)
+  assert r["compute_s_per_token"] == pytest.approx(0.25)
+  assert r["io_s_per_token"] == pytest.approx(0.5)
+  assert (r["limit_s_per_token"], r["bound"]) == (pytest.approx(0.5), "io")
+  assert r["measured_s_per_token"] == pytest.approx(2.5)
+  assert r["ratio"] == pytest.approx(5.0)
+  # Reads that fit under compute leave a compute-bound limit.
+  r = decode_limit(compute_s=4.0, io_bytes=3_000_000_000, disk_gbs=1.5, measured_s=6.0, tokens=4)
+  assert (r["limit_s_per_token"], r["bound"], r["ratio"]) == (1.0, "compute", 1.5)
+  with pytest.raises(InputError, match="tokens > 0"):
+    decode_limit(compute_s=1.0, io_bytes=1, disk_gbs=1.0, measured_s=1.0, tokens=0)
+
+
+def test_belady_reads_count_the_minimum_misses():
+  # One layer, one position per step, a cache of 2, requests 0 1 2 0 1 2. MIN: 0, 1 and 2 miss
+  # (2 evicts 1, whose next use is later than 0's); 0 hits; 1 misses (evicting 0, never used
+  # again); 2 hits. Four misses.
+  ids = np.array([0, 1, 2, 0, 1, 2])[:, None, None]
+  t = Trace.from_ids(ids, n_experts=3, expert_bytes=1000)
+  r = belady_reads(t, 2)
+  assert (r["belady_misses"], r["belady_bytes"], r["requests"]) == (4, 4000, 6)
+  assert belady_reads(t, 3)["belady_misses"] == 3  # only the cold misses
+
+
+def test_capacity_counts_host_chunks_and_the_named_layers_slots():
+  state = {"chunk_bytes": 100, "host_bytes": 1050, "slots": 3,
+           "pins": {"1": [0, 1, 2], "2": [3, 4, 5], "4": [0, 1, 2]}}
+  assert capacity_experts(state) == 10 + 9
+  assert capacity_experts(state, layers=[1, 2]) == 10 + 6
+  assert capacity_experts({"chunk_bytes": 100, "host_bytes": 99, "slots": 0, "pins": {}}) == 0
+
+
+def test_disk_bandwidth_on_a_fake_clock(tmp_path):
+  files = []
+  for i in range(3):
+    p = tmp_path / f"chunk{i}"
+    p.write_bytes(bytes(1000 + i))
+    files.append(str(p))
+  ticks = iter([10.0, 12.0])
+  r = disk_read_gbs(files, workers=2, clock=lambda: next(ticks))
+  assert (r["bytes"], r["seconds"], r["files"]) == (3003, 2.0, 3)
+  assert r["disk_gbs"] == pytest.approx(3003 / 2.0 / 1e9)
+
+
+def test_bench_decode_script(embedded_store, tmp_path):
+  """The script with default flags (a short request) reports a consistent limit and ratio."""
+  out = tmp_path / "decode.json"
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"),
+                         f"--model={embedded_store}", "--max_new_tokens=4", f"--json={out}"],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  lim = r["limit"]
+  assert r["new_tokens"] == 4 and r["same_tokens_as_resident"]
+  assert lim["limit_s_per_token"] == max(lim["compute_s_per_token"], lim["io_s_per_token"])
+  assert r["ratio"] == pytest.approx(r["measured_s_per_token"] / r["limit_s_per_token"])
+  assert r["belady"]["belady_misses"] <= r["engine"]["expert_misses"] + r["engine"][
+      "prefetch_issued"]  # no policy reads less than MIN
+  assert set(r["stages"]) >= {"attention", "route", "bookkeeping", "io_wait", "expert_compute",
+                              "combine", "sampling"}
+  assert os.path.getsize(r["png"]) > 0
