@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,6 +51,19 @@ def test_greedy_equivalence_random_mtp(random_mtp, draft):
   assert s["draft_proposed"] >= s["draft_accepted"] >= 0
   # The prefill yields the first token; each verify forward its accepted drafts plus one more.
   assert 1 + s["draft_accepted"] + s["verify_forwards"] == len(spec.tokens)
+
+
+def test_speculative_rate_leaves_out_compilation(random_mtp):
+  """Shapes first met mid-run compile inside the rounds; the rate excludes that time exactly
+  as measured, and the clock does measure a compile that happens while it is open."""
+  with speculative.CompileClock() as clock:
+    jax.jit(lambda x: x * 3 + 1)(jnp.ones(7))  # a new function: traced and compiled here
+  assert clock.seconds > 0
+  model = glmjax.load(random_mtp, progress=False)
+  s = model.generate(PROMPT, 20, stop_ids=[], draft=3).stats
+  steps = s["new_tokens"] - 1
+  assert s["decode_tok_s"] == pytest.approx(steps / (s["decode_s"] - s["decode_compile_s"]))
+  assert s["compile_s"] >= s["decode_compile_s"] >= 0
 
 
 def test_greedy_equivalence_embedded():

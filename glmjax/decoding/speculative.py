@@ -169,15 +169,46 @@ ABSORB_WINDOW = 8
 
 # --- the loop ------------------------------------------------------------------------------
 
+class CompileClock:
+  """Seconds JAX spends tracing, lowering and compiling while it is open (its monitoring
+  events, from any thread). Speculative rounds meet new shapes (a verify width per draft
+  length, MTP absorb widths) mid-run; their compile time is reported apart from decoding."""
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def _listen(self, event, duration, **_):
+    if event in self.EVENTS:
+      self.seconds += duration
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
 def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, picker,
         draft, seed: int = 0, on_round=None):
   """Speculative generation after the prompt `toks` `[1, S]` (first `n` real).
 
   `emit(token) -> bool` records a new token (and shows it to `picker`, a
   `sampling.TokenPicker`) and says whether to stop. `draft` is an int k ≥ 1 or "auto".
-  Returns a stats dict (prefill_s, draft_proposed, draft_accepted, tokens_per_forward,
-  verify_forwards).
+  Returns a stats dict (prefill_s, compile_s, decode_compile_s, draft_proposed,
+  draft_accepted, tokens_per_forward, verify_forwards); prefill_s and the caller's decode time
+  include compilation, which compile_s (prefill) and decode_compile_s (rounds) measure.
   """
+  with CompileClock() as clock:
+    return _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_round,
+                clock)
+
+
+def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_round, clock):
   start = int(cache.length)
   cap = cache.layers[0].latent.shape[1]
   t0 = time.perf_counter()
@@ -186,6 +217,7 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
   prompt = np.asarray(toks[0, :n])
   tok = picker.pick(logits[0, n - 1])
   prefill_s = time.perf_counter() - t0
+  prefill_compile_s = clock.seconds
   mcache = init_mtp_cache(cfg, 1, cap)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
@@ -251,7 +283,9 @@ def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, 
     p += 1 + a
     tok = nxt
   fwd = max(st["verify_forwards"], 1)
-  return {"prefill_s": prefill_s, "draft_proposed": float(st["draft_proposed"]),
+  return {"prefill_s": prefill_s, "compile_s": prefill_compile_s,
+          "decode_compile_s": clock.seconds - prefill_compile_s,
+          "draft_proposed": float(st["draft_proposed"]),
           "draft_accepted": float(st["draft_accepted"]),
           "verify_forwards": float(st["verify_forwards"]),
           "tokens_per_forward": (st["draft_accepted"] + st["verify_forwards"]) / fwd}

@@ -102,9 +102,10 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Conf
   through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
   "host" `[L, E]`), with no host round trip.
 
-  Returns (logits, hidden, cache, record): `record` is (missing `[M]`: per MoE layer, the real
-  (token, rank) pairs whose expert no tier held; ids `[M, T, K]`; the pilot predictions
-  `[M - 1, T, pilot_k]` for each MoE layer that has a MoE successor, or None).
+  Returns (logits, hidden, cache, record): `record` is one int32 vector, the concatenation of
+  missing `[M]` (per MoE layer, the real (token, rank) pairs whose expert no tier held), ids
+  `[M, T, K]` and, with `pilot_k`, the pilot predictions `[P, T, pilot_k]` of the P MoE layers
+  that have a MoE successor (`_split_record` takes it apart).
   A step with anything missing is void; the caller re-runs it through the tiers (the cache
   writes of this step sit past `length` and are rewritten).
   """
@@ -128,8 +129,9 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Conf
 
   logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
                              n_valid=n_valid)
-  # Stacked, so the host fetches the record in three transfers, not three per layer.
-  record = (jnp.stack(missing), jnp.stack(ids_seen), jnp.stack(pilots) if pilots else None)
+  # One int32 vector, so the host fetches the whole record in one transfer.
+  parts = [jnp.stack(missing), jnp.stack(ids_seen)] + ([jnp.stack(pilots)] if pilots else [])
+  record = jnp.concatenate([p.astype(jnp.int32).reshape(-1) for p in parts])
   return logits, x, cache, record
 
 
@@ -676,18 +678,17 @@ class OffloadEngine:
       self._fused_compiled[key] = fused_forward.lower(*args, **static).compile()
       self.stats["fused_compile_s"] += time.perf_counter() - t0
     logits, x, new_cache, record = self._fused_compiled[key](*args)
-    missing = np.asarray(record[0])
+    missing, ids_all, pilots = self._split_record(np.asarray(record), tokens.size, pilot_k)
     if missing.any():
       self._fused_ready = False
       self.stats["fused_void"] += 1
       return None, new_cache
     self.stats["fused_steps"] += 1
     valid = valid_rows(tokens.shape, n_valid)
-    ids_all = np.asarray(record[1])
-    pilots = iter(np.asarray(record[2]) if record[2] is not None else ())
+    pilots = iter(pilots)
     for j, layer in enumerate(self.moe_layers):
       ids = ids_all[j]
-      pilot = next(pilots) if record[2] is not None and self._next_moe(layer) is not None else None
+      pilot = next(pilots) if pilot_k and self._next_moe(layer) is not None else None
       union = np.unique(ids[valid]).tolist()
       pinned, cached, futures = self._account(layer, union, valid, None,
                                               None if pilot is None else pilot[valid])
@@ -695,10 +696,18 @@ class OffloadEngine:
       self.stats["experts_on_device"] += len(pinned)
       on_device = self._place(len(cached))
       self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached)
-      slab_pool = self.slabs.slabs[self.layout].pool if cached else None
-      self._admit(layer, union,
-                  {c: (slab_pool, self.slabs.where[(layer, c)][1]) for c in cached})
+      if layer in self.device:  # only a layer with a pin pool admits
+        slab_pool = self.slabs.slabs[self.layout].pool if cached else None
+        self._admit(layer, union,
+                    {c: (slab_pool, self.slabs.where[(layer, c)][1]) for c in cached})
     return (logits, x, new_cache), None
+
+  def _split_record(self, flat: np.ndarray, n_tokens: int, pilot_k: int):
+    """`fused_forward`'s record vector → (missing `[M]`, ids `[M, T, K]`, pilots `[P, T, k]`)."""
+    m, k = len(self.moe_layers), self.cfg.num_experts_per_tok
+    ids_end = m + m * n_tokens * k
+    pilots = flat[ids_end:].reshape(-1, n_tokens, pilot_k) if pilot_k else flat[:0]
+    return flat[:m], flat[m:ids_end].reshape(m, n_tokens, k), pilots
 
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
