@@ -32,7 +32,10 @@ setup(
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a
         # CPU build of torch. Test-only; the runtime never imports them.
         # pytest-xdist: the suite runs on two workers, a file per worker (module fixtures stay
-        # built once).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0"],
+        # built once). nbclient + ipykernel execute notebooks/quickstart.ipynb in a kernel;
+        # matplotlib draws its inline plot (also a runtime dependency, listed so the notebook
+        # test's needs stand together).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0",
+                 "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8"],
     },
 )
