@@ -19,6 +19,7 @@ from glmjax.model.forward import (KVCache, RecordOptions, bucket, decode_fn, ini
                                   prefill_fn, record_fn, score_fn, stack_records)
 from glmjax.model.weights import Weights
 from glmjax.options import Options
+from glmjax.decoding.speculative import CompileClock
 
 _MIN_BUCKET = 16
 
@@ -40,8 +41,9 @@ class GenerationResult:
 
   Attributes:
     tokens: the new token ids (a stop token that ended generation is not included).
-    stats: flat dict of numbers: prompt_tokens, new_tokens, compile_s, prefill_s, decode_s,
-      decode_tok_s, and for expert stores the offload telemetry (expert_pin_hits,
+    stats: flat dict of numbers: prompt_tokens, new_tokens, compile_s (before decoding),
+      prefill_s, decode_s, decode_compile_s (shapes first met while decoding), decode_tok_s
+      (from the second decode step on, compilation left out), and for expert stores the offload telemetry (expert_pin_hits,
       expert_host_hits, expert_misses, expert_bytes_read, io_service_s, io_wait_s,
       misses_layer_N, ...), counted over this call.
     stop_reason: "stop_token", "stop_string" or "max_new_tokens".
@@ -320,24 +322,25 @@ class Model:
     tok = req.picker.pick(logits[0]) if req.max_new_tokens else None
     prefill_s = time.perf_counter() - t0
     first_step_s = None  # the first decode step may include tracing/compilation
-    # The engine compiles its fused step when the cache first holds a whole step's experts,
-    # mid-decode: that time is left out of the steady-state rate too.
-    compiled = lambda: self.engine.stats["fused_compile_s"] if self.engine else 0.0
+    # Shapes first met mid-decode compile there (the engine's fused step once the tiers hold a
+    # whole step's experts, a kernel call over a new number of cached experts): that time is
+    # left out of the steady-state rate too, and reported in decode_compile_s.
     t0, c0 = time.perf_counter(), 0.0
-    while req.max_new_tokens and not req.emit(tok):
-      logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
-      tok = req.picker.pick(logits[0])
-      if first_step_s is None:
-        first_step_s, c0 = time.perf_counter() - t0, compiled()
+    with CompileClock() as clock:
+      while req.max_new_tokens and not req.emit(tok):
+        logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+        tok = req.picker.pick(logits[0])
+        if first_step_s is None:
+          first_step_s, c0 = time.perf_counter() - t0, clock.seconds
     decode_s = time.perf_counter() - t0
     steps = max(len(req.out) - 1, 0)  # decode steps run (the first token comes from the prefill)
     if steps >= 2:  # steady state: from the second decode step on
-      rate = (steps - 1) / max(decode_s - first_step_s - (compiled() - c0), 1e-9)
+      rate = (steps - 1) / max(decode_s - first_step_s - (clock.seconds - c0), 1e-9)
     else:
       rate = steps / decode_s if steps and decode_s > 0 else 0.0
     return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)), compile_s=compile_s,
                 prefill_s=prefill_s, decode_s=decode_s, first_step_s=first_step_s or 0.0,
-                decode_tok_s=rate), cache
+                decode_compile_s=clock.seconds, decode_tok_s=rate), cache
 
   def _speculate(self, cache: KVCache, toks, n: int, req: "_Request", draft, on_round) -> dict:
     """MTP speculative decoding (glmjax.decoding.speculative); the stats of `_decode_loop`."""
@@ -353,9 +356,9 @@ class Model:
     steps = max(len(req.out) - 1, 0)  # tokens after the prefill's first
     # New shapes compile mid-run (the first round of each draft length): left out of the rate,
     # as the plain loop's compilation is, and reported in compile_s.
-    compiled = spec.pop("compile_s") + spec["decode_compile_s"]
     run_s = decode_s - spec["decode_compile_s"]
-    return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)), compile_s=compiled,
+    return dict(prompt_tokens=float(n), new_tokens=float(len(req.out)),
+                compile_s=spec.pop("compile_s"),
                 prefill_s=prefill_s, decode_s=decode_s, first_step_s=0.0,
                 decode_tok_s=steps / run_s if steps and run_s > 0 else 0.0, **spec)
 

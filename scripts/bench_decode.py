@@ -21,6 +21,7 @@ measured_s_per_token, ratio (measured / limit), disk_gbs and `stages` (ms per to
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -138,11 +139,15 @@ def main(argv):
     _request(resident, prompt)
     ref, compute_s = _request(resident, prompt)
     resident.close()
+    del resident  # its weights go before the offloaded model's budgets are sized
+    gc.collect()
 
     # 3. the offloaded request: compiled by a warm-up, then measured cold with a live trace
     warm = glmjax.load(path, progress=False, **budgets)
     warm.generate(prompt, FLAGS.max_new_tokens, stop_ids=[], trace=os.path.join(work, "warm"))
     warm.close()
+    del warm
+    gc.collect()
     usage = os.path.join(path, "usage.json")  # no pins learned from the runs before
 
     def fresh():
@@ -159,6 +164,8 @@ def main(argv):
     measured_s = time.perf_counter() - t0 - r.stats.get("fused_compile_s", 0.0)
     tiers = model.engine.tier_state()
     model.close()
+    del model
+    gc.collect()
     tokens = len(r.tokens)
 
     # 4. the fewest bytes any policy of that capacity reads

@@ -111,7 +111,8 @@ def summary(result) -> str:
   if s.get("draft_proposed"):
     line += (f" | draft accept {100 * s['draft_accepted'] / s['draft_proposed']:.0f}%, "
              f"{s['tokens_per_forward']:.2f} tok/forward")
-  compiled = f" (compiling {s['compile_s']:.1f} s apart)" if s.get("compile_s", 0) >= 0.05 else ""
+  compile_s = s.get("compile_s", 0.0) + s.get("decode_compile_s", 0.0)
+  compiled = f" (compiling {compile_s:.1f} s apart)" if compile_s >= 0.05 else ""
   return line + f" | {s['decode_tok_s']:.1f} tok/s{compiled}"
 
 
