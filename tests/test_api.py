@@ -33,7 +33,8 @@ def test_generate_greedy_is_deterministic_and_consistent(model):
   b = model.generate(prompt, 12, stop_ids=[])
   assert a.tokens == b.tokens and len(a.tokens) == 12
   assert all(isinstance(t, int) for t in a.tokens)
-  for key in ("decode_tok_s", "prefill_s", "compile_s", "decode_compile_s", "prompt_tokens", "new_tokens"):
+  for key in ("decode_tok_s", "prefill_s", "compile_s", "decode_compile_s", "prompt_tokens",
+              "new_tokens"):
     assert isinstance(a.stats[key], float)
   assert a.stats["decode_tok_s"] > 0 and a.stats["new_tokens"] == 12
   # Greedy cached decoding picks the argmax of the teacher-forced logits at each position.
