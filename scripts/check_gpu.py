@@ -1,11 +1,18 @@
-"""The prepared device check: compiled Pallas kernels against the float64 loop reference, the
-expert placement comparison (expert_compute device / host / auto: tok/s and logits), then the
-kernel benchmark and model-level parity on a GPU. Writes one JSON report.
+"""The one command for a machine with a GPU (CI has none; the CPU suite runs the kernels in
+interpret mode). Writes one JSON report, in under 8 minutes on one H200:
 
   python scripts/check_gpu.py --out=$OUT/gpu_check.json
 
-Run it on a machine with an accelerator (CI has none; the CPU suite covers the kernels in
-interpret mode). Each check records its own failure instead of stopping the run.
+1. compiled Pallas kernels against the float64 loop reference;
+2. the expert placement comparison (expert_compute device / host / auto: tok/s and logits);
+3. kernel GB/s and fraction of HBM at GLM-5 decode shapes (bench_kernels.py, P5), over the
+   default tiling and --variants; the fastest per row count is reported as the candidate for
+   `pallas_kernels.tuning.TABLE` (`tuning_candidates`);
+4. model-level Pallas against XLA (the store tests' pallas cases);
+5. bench_decode.py on a small synthetic store of GLM-5's real geometry (cold decode against its
+   physical limit).
+
+Each check records its own failure instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "gpu_check.json", "JSON report path.")
 flags.DEFINE_integer("repeats", 50, "Benchmark repeats.")
+flags.DEFINE_list("variants", ["fma:32:32:128", "fma:64:64:256", "fma:128:128:256:8",
+                               "dot:64:64:256", "dot:128:128:512:8:3"],
+                  "Candidate Pallas tilings timed beside the default "
+                  "(mode:block_n:block_n_down:block_k[:num_warps[:num_stages]]).")
+flags.DEFINE_integer("decode_experts", 16, "Experts per MoE layer of the synthetic store.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5  # as in tests/test_kernels.py: f32 accumulation vs a float64 reference
@@ -90,6 +102,43 @@ def placement_checks(store: str | None = None) -> list[dict]:
   return rows
 
 
+def tuning_candidates(bench: dict) -> dict:
+  """Per row count: the fastest finite Pallas config of the benchmark, with its GB/s."""
+  best: dict = {}
+  for e in bench.get("results", []):
+    if e.get("backend") != "pallas" or "median_s" not in e or not e.get("finite"):
+      continue
+    cur = best.get(str(e["rows"]))
+    if cur is None or e["median_s"] < cur["median_s"]:
+      best[str(e["rows"])] = {k: e.get(k) for k in ("config", "median_s", "gb_per_s",
+                                                     "hbm_fraction", "max_rel_err_vs_xla")}
+  return best
+
+
+def decode_check(workdir: str) -> dict:
+  """bench_decode on a synthetic GLM-5-geometry store (2 MoE layers), read cold."""
+  import shutil
+  import tempfile
+  tmp = tempfile.mkdtemp(prefix="check_gpu.")  # the store stays out of the report folder
+  store = os.path.join(tmp, "glm5")
+  out = os.path.join(workdir, "bench_decode.json")
+  steps = [
+      [sys.executable, os.path.join(ROOT, "scripts", "make_synthetic_store.py"),
+       "--geometry=glm5", "--moe_layers=2", f"--experts={FLAGS.decode_experts}",
+       "--vocab_size=4096", f"--dst={store}"],
+      [sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"), f"--model={store}",
+       "--cold", "--max_new_tokens=8", "--device_cache_gb=0.1", "--host_cache_gb=0.2",
+       f"--json={out}"]]
+  try:
+    for cmd in steps:
+      r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+      if r.returncode:
+        return dict(ok=False, failed=os.path.basename(cmd[1]), stderr_tail=r.stderr[-3000:])
+    return dict(ok=True, report=json.load(open(out)))
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv):
   del argv
   import jax
@@ -98,23 +147,30 @@ def main(argv):
   report["placement"] = placement_checks()
   bench = os.path.join(os.path.dirname(FLAGS.out) or ".", "bench_kernels.json")
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_kernels.py"),
-                      "--rows=1,2,3,4", f"--repeats={FLAGS.repeats}", f"--out={bench}"],
+                      "--rows=1,2,3,4", f"--repeats={FLAGS.repeats}", f"--out={bench}",
+                      f"--variants={','.join(FLAGS.variants)}"],
                      capture_output=True, text=True)
   report["bench_returncode"] = r.returncode
   report["bench_stderr_tail"] = r.stderr[-3000:]
   if os.path.exists(bench):
     report["bench"] = json.load(open(bench))
+    report["tuning_candidates"] = tuning_candidates(report["bench"])
   t = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x",
                       os.path.join(ROOT, "tests", "test_store.py"), "-k", "pallas"],
                      capture_output=True, text=True)
   report["model_level_pallas_vs_xla"] = {"returncode": t.returncode, "tail": t.stdout[-1500:]}
+  try:
+    report["decode"] = decode_check(os.path.dirname(os.path.abspath(FLAGS.out)))
+  except Exception as e:  # report, keep going
+    report["decode"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
   report["elapsed_s"] = time.time() - report.pop("started")
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=1)
   ok = all(k["ok"] for k in report["kernels"])
   placement_ok = all(p["ok"] for p in report["placement"])
   print(json.dumps({"kernels_ok": ok, "placement_ok": placement_ok, "bench_rc": r.returncode,
-                    "model_rc": t.returncode}))
+                    "model_rc": t.returncode, "decode_ok": report["decode"].get("ok"),
+                    "decode_ratio": report["decode"].get("report", {}).get("ratio")}))
 
 
 if __name__ == "__main__":

@@ -79,3 +79,20 @@ def test_bench_decode_script(embedded_store, tmp_path):
   assert set(r["stages"]) >= {"attention", "route", "bookkeeping", "io_wait", "expert_compute",
                               "combine", "sampling"}
   assert os.path.getsize(r["png"]) > 0
+
+
+def test_check_gpu_picks_the_fastest_finite_pallas_tiling():
+  """check_gpu.py (run on GPU machines only) reads its tiling candidates off bench_kernels'
+  report: per row count the fastest finite Pallas entry, never an XLA or failed one."""
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import check_gpu
+  bench = {"results": [
+      {"rows": 1, "backend": "xla", "median_s": 1e-5, "finite": True},
+      {"rows": 1, "backend": "pallas", "median_s": 3e-4, "finite": True, "config": {"b": 1}},
+      {"rows": 1, "backend": "pallas", "median_s": 2e-4, "finite": True, "config": {"b": 2}},
+      {"rows": 1, "backend": "pallas", "median_s": 1e-4, "finite": False, "config": {"b": 3}},
+      {"rows": 2, "backend": "pallas", "error": "compile failed"},
+      {"rows": 2, "backend": "pallas", "median_s": 5e-4, "finite": True, "config": {"b": 4}}]}
+  best = check_gpu.tuning_candidates(bench)
+  assert best["1"]["config"] == {"b": 2} and best["2"]["config"] == {"b": 4}
+  assert set(best) == {"1", "2"}
