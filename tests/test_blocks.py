@@ -12,7 +12,7 @@ import torch
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glmjax
-from glmjax.model import attention, layers, moe
+from glmjax.model import attention, layers, moe, weights
 from glmjax.model.forward import moe_block
 from hf_reference import make_hf, rel_err
 
@@ -133,7 +133,7 @@ def test_router_group_limited(pair):
   assert max(len(set(g)) for g in groups.tolist()) <= cfg.topk_group
 
 
-@pytest.mark.parametrize("tokens", [3, 40])  # gather path (T·K ≤ 64) and ragged path
+@pytest.mark.parametrize("tokens", [3, 40])  # gather path (T·K ≤ 64) and tiled path
 def test_moe_block(pair, tokens):
   ref, model = pair
   x = _x(6, 1, tokens, model.config.hidden_size)
@@ -154,3 +154,33 @@ def test_combine_is_rank_ordered():
   for k in range(1, 8):
     acc = acc + np.asarray(ys[:, k] * w[:, k, None])
   np.testing.assert_array_equal(got, acc)
+
+
+@pytest.mark.parametrize("skew", ["uniform", "one_expert", "two_of_many"])
+@pytest.mark.parametrize("tokens", [17, 100, 1024])
+def test_float_expert_outputs_against_a_float64_loop(tokens, skew):
+  """The tiled float path (pairs sorted by expert, padded to whole tiles) against a float64
+  loop over pairs, with every expert's share from even to all pairs on one expert (the tile
+  count bound) and unused experts."""
+  rng = np.random.default_rng(tokens)
+  e, k, d, f = 12, 3, 24, 10
+  gu = rng.standard_normal((e, 2 * f, d)).astype(np.float32) * 0.3
+  dn = rng.standard_normal((e, d, f)).astype(np.float32) * 0.3
+  x = rng.standard_normal((tokens, d)).astype(np.float32)
+  if skew == "uniform":
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)])
+  elif skew == "one_expert":  # rank 0 always expert 5: one expert holds a third of the pairs
+    ids = np.stack([[5, *rng.choice([i for i in range(e) if i != 5], k - 1, replace=False)]
+                    for _ in range(tokens)])
+  else:
+    ids = np.stack([[0, 1, 2 + t % 2] for t in range(tokens)])  # 8 experts never chosen
+  got = np.asarray(moe.expert_outputs(jnp.asarray(x), jnp.asarray(ids, jnp.int32),
+                                      weights.Experts(gate_up=jnp.asarray(gu),
+                                                      down=jnp.asarray(dn))))
+  want = np.zeros((tokens, k, d))
+  for t in range(tokens):
+    for r in range(k):
+      h = gu[ids[t, r]].astype(np.float64) @ x[t].astype(np.float64)
+      a = h[:f] / (1 + np.exp(-h[:f])) * h[f:]
+      want[t, r] = dn[ids[t, r]].astype(np.float64) @ a
+  assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
