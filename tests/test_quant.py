@@ -209,3 +209,87 @@ def test_bad_arguments():
   q = quant.quantize(w, bits=4, group_size=32)
   with pytest.raises(ValueError, match="scales"):
     quant.QArray(q.packed, q.scales[:, :1], 4, 32, 64).check()
+
+
+# --- the kernel against a float64 reference ---------------------------------------------------
+
+def _float64_reference(w, bits, g):
+  """The module docstring's rule, written out directly in float64: (int codes, bf16 scales)."""
+  w = np.asarray(w).astype(np.float64)
+  o, k = w.shape
+  kp = -(-k // g) * g
+  w = np.pad(w, [(0, 0), (0, kp - k)])
+  codes = np.zeros((o, kp), np.int64)
+  scales = np.zeros((o, kp // g), ml_dtypes.bfloat16)
+  for r in range(o):
+    for j in range(kp // g):
+      grp = w[r, j * g:(j + 1) * g]
+      s = np.float64(np.array(np.abs(grp).max() / QMAX[bits]).astype(ml_dtypes.bfloat16))
+      scales[r, j] = s
+      if s > 0:
+        codes[r, j * g:(j + 1) * g] = np.clip(np.rint(grp / s), -QMAX[bits] - (bits == 4), QMAX[bits])
+  return codes, scales
+
+
+def _codes(q):
+  if q.bits == 4:
+    return np.asarray(quant.unpack_int4(q.packed, q.group_size)).astype(np.int64)
+  return np.asarray(q.packed).astype(np.int64)
+
+
+def _near_ties(rng, o, g, bits, dtype):
+  """Rows whose groups have scale s (one element is qmax * s) and whose other elements sit on,
+  or one float32 ulp either side of, (k + 1/2) * s: where float32 division rounds onto a tie."""
+  s = rng.uniform(0.01, 2.0, (o, 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
+  k = rng.integers(-QMAX[bits], QMAX[bits], (o, g)).astype(np.float32) + np.float32(0.5)
+  x = k * s  # exact: few significant bits
+  step = rng.integers(-1, 2, (o, g))
+  x = np.where(step > 0, np.nextafter(x, np.float32(np.inf)),
+               np.where(step < 0, np.nextafter(x, np.float32(-np.inf)), x))
+  x[:, 0] = QMAX[bits] * s[:, 0]
+  return x.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("bits,group,k", [(4, 64, 256), (4, 32, 100), (8, 64, 192), (8, 7, 50)])
+def test_quantize_equals_float64_reference(dtype, bits, group, k):
+  """The numba kernel (float32 arithmetic for 16/32-bit inputs) gives the float64 rule's codes
+  and scales exactly: rows scaled over ~140 binades (the smallest are float32 subnormals,
+  giving subnormal or zero bf16 scales), zero groups, and elements on or one float32 ulp from
+  a rounding tie."""
+  rng = np.random.default_rng(bits * 1000 + group + k)
+  w = rng.standard_normal((64, k)) * np.exp(rng.uniform(-95, 5, (64, 1)))
+  w[3] = 0.0
+  w[5, :group] = 0.0
+  w = w.astype(dtype)
+  q = quant.quantize(w, bits=bits, group_size=group)
+  codes, scales = _float64_reference(w, bits, group)
+  np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint16), scales.view(np.uint16))
+  np.testing.assert_array_equal(_codes(q), codes)
+  if group % 2 == 0 and dtype in (np.float32, np.float64):
+    t = _near_ties(rng, 48, group, bits, dtype)
+    s32 = np.repeat(np.asarray(quant.quantize(t, bits, group).scales, np.float32), group, 1)
+    v = t.astype(np.float32) / s32
+    assert np.sum(np.abs(v - np.rint(v)) == 0.5) > 100  # the float32 quotients do tie
+    codes, scales = _float64_reference(t, bits, group)
+    np.testing.assert_array_equal(_codes(quant.quantize(t, bits, group)), codes)
+
+
+def test_quantize_into_views_and_non_finite():
+  """`quantize_into` fills caller-owned views (the converter's chunk) like `quantize`, and counts
+  NaN/Inf groups instead of raising; `quantize` raises on them."""
+  rng = np.random.default_rng(9)
+  w = _scaled_random(rng, (12, 192)).astype(ml_dtypes.bfloat16)
+  want = quant.quantize(w, 4, 64)
+  blob = np.zeros(12 * 96 + 12 * 3 * 2, np.uint8)
+  packed, scales = blob[:12 * 96].reshape(12, 96), blob[12 * 96:].view(np.uint16).reshape(12, 3)
+  assert quant.quantize_into(w, 4, 64, packed, scales) == 0
+  np.testing.assert_array_equal(packed, want.packed)
+  np.testing.assert_array_equal(scales, np.asarray(want.scales).view(np.uint16))
+  w[2, 70] = np.inf
+  w[7, 0] = np.nan
+  assert quant.quantize_into(w, 4, 64, packed, scales) == 2
+  with pytest.raises(ValueError, match="non-finite"):
+    quant.quantize(w, 4, 64)
+  with pytest.raises(ValueError, match="packed"):
+    quant.quantize_into(w, 4, 64, packed[:, :90], scales)

@@ -205,6 +205,50 @@ def test_resume_after_kill_is_identical(src, dst, tmp_path):
                                 glmjax.load(part, progress=False).score(toks))
 
 
+def test_resume_after_torn_progress_line(src, dst, tmp_path):
+  """A kill mid-append leaves a partial last line in the progress log: the rerun drops it (that
+  item is redone) and the store equals an uninterrupted one."""
+  part = str(tmp_path / "torn")
+  r = convert(src, part, env={"GLMJAX_CONVERT_ABORT_AFTER": "3"})
+  assert r.returncode == 137
+  with open(os.path.join(part, ".progress.json"), "a") as f:
+    f.write('{"done":"main/1/')
+  r = convert(src, part)
+  assert r.returncode == 0, r.stderr
+  assert not os.path.exists(os.path.join(part, ".progress.json"))
+  a = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{dst}/experts/main"}})
+  b = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{part}/experts/main"}})
+  np.testing.assert_array_equal(a.result().read().result(), b.result().read().result())
+
+
+def test_progress_log(tmp_path):
+  """The progress record is an append-only log: marks survive a reopen, a torn last line is cut
+  off, different settings are refused, and the former one-document format still resumes."""
+  from glmjax.formats.convert import _Progress
+  d = str(tmp_path)
+  p = _Progress(d, {"bits": 4})
+  p.mark("layer_000", {"k": 1})
+  p.mark("main/1/0")
+  p.close()
+  with open(os.path.join(d, ".progress.json"), "a") as f:
+    f.write('{"done":"main/1/')
+  q = _Progress(d, {"bits": 4})
+  assert q.done == {"layer_000", "main/1/0"} and q.dense == {"layer_000": {"k": 1}}
+  q.mark("main/1/1")
+  q.close()
+  assert _Progress(d, {"bits": 4}).done == {"layer_000", "main/1/0", "main/1/1"}
+  with pytest.raises(CheckpointError, match="different settings"):
+    _Progress(d, {"bits": 8})
+  with open(os.path.join(d, ".progress.json"), "w") as f:  # written by earlier converters
+    json.dump({"settings": {"bits": 4}, "done": ["global", "main/1/2"],
+               "dense": {"global": {"k": 2}}}, f)
+  old = _Progress(d, {"bits": 4})
+  assert old.done == {"global", "main/1/2"} and old.dense == {"global": {"k": 2}}
+  old.mark("main/1/3")
+  old.close()
+  assert _Progress(d, {"bits": 4}).done == {"global", "main/1/2", "main/1/3"}
+
+
 def test_corrupt_expert_chunk_names_layer_and_expert(dst, tmp_path):
   bad = str(tmp_path / "bad")
   shutil.copytree(dst, bad)

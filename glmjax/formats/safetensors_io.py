@@ -73,15 +73,22 @@ class SafetensorsFile:
     dtype, shape, _ = self._entries[name]
     return dtype, shape
 
-  def read(self, name) -> np.ndarray:
-    """The tensor, read with one pread into a fresh buffer.
+  def read(self, name, out: np.ndarray | None = None) -> np.ndarray:
+    """The tensor, read with one pread into a fresh buffer, or into the uint8 buffer `out`
+    (at least the tensor's size; the result is then a view of it, valid until it is reused).
 
     Not a memory map: mapped pages stay in the process's RSS after use, so streaming a
-    checkpoint through a map would grow RSS to the checkpoint's size.
+    checkpoint through a map would grow RSS to the checkpoint's size. A reused `out` also
+    spares the page faults (and kernel zeroing) of a fresh allocation per tensor.
     """
     dtype, shape, lo = self._entries[name]
     n = int(np.prod(shape)) * dtype.itemsize
-    buf = bytearray(n)
+    if out is None:
+      buf = np.empty(n, np.uint8)  # not bytearray(n): that zero-fills what the read overwrites
+    else:
+      if out.dtype != np.uint8 or out.ndim != 1 or out.size < n or not out.flags.c_contiguous:
+        raise ValueError(f"out: need a contiguous uint8 buffer of ≥ {n} bytes for {name}")
+      buf = out[:n]
     fd = os.open(self.path, os.O_RDONLY)
     try:
       got, view = 0, memoryview(buf)
@@ -92,7 +99,7 @@ class SafetensorsFile:
         got += k
     finally:
       os.close(fd)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    return buf.view(dtype).reshape(shape)
 
 
 def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
