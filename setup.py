@@ -18,6 +18,7 @@ setup(
         "ml_dtypes>=0.5",
         "safetensors>=0.4",
         "tensorstore>=0.1.70",
+        "crc32c>=2.4",  # the engine's direct chunk reads check the store's crc32c
         "orbax-checkpoint>=0.11",
         "tokenizers>=0.20",
         "jinja2>=3.1",

@@ -66,45 +66,22 @@ def store_geometry(path: str) -> dict:
           "expert_bytes_total": chunk * layers * experts}
 
 
-def chunk_files(path: str, group: str = "main") -> list[str]:
-  """The files holding a store's expert chunks of `group` (one per (layer, expert))."""
-  with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
-    root = os.path.join(path, json.load(f)["experts"][group]["path"])
-  return sorted(os.path.join(d, n) for d, _, names in os.walk(os.path.join(root, "c"))
-                for n in names)
-
-
-def disk_read_gbs(files: list[str], workers: int, clock=None) -> dict:
-  """Read bandwidth of the disk under `files`: each dropped from the page cache, then read
-  whole on `workers` threads at once (the engine's chunk size and I/O concurrency). GB/s is
-  1e9 bytes per second of `clock` (default time.perf_counter)."""
+def disk_read_gbs(path: str, workers: int, group: str = "main", clock=None) -> dict:
+  """Read bandwidth of a store's disk as the engine reads it: every expert chunk of `group`,
+  dropped from the page cache, then read whole and checked (`ExpertStore.read_chunk`) on
+  `workers` threads at once. GB/s is 1e9 bytes per second of `clock` (time.perf_counter)."""
   import concurrent.futures
   import time
+  from glmjax.formats.store import ExpertStore
+  from glmjax.offload.expert_io import drop_page_cache
   clock = clock or time.perf_counter
-  for name in files:
-    fd = os.open(name, os.O_RDONLY)
-    try:
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
-
-  def read(name):
-    fd = os.open(name, os.O_RDONLY)
-    try:
-      buf = bytearray(os.fstat(fd).st_size)
-      view, done = memoryview(buf), 0
-      while done < len(buf):
-        n = os.readv(fd, [view[done:]])
-        if n == 0:
-          break
-        done += n
-      return done
-    finally:
-      os.close(fd)
-
+  store = ExpertStore(path)
+  g = store.manifest["experts"][group]
+  keys = [(layer, e) for layer in g["layers"] for e in range(store.groups[group][0].shape[1])]
+  drop_page_cache(os.path.join(path, g["path"]))
   t0 = clock()
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    nbytes = sum(pool.map(read, files))
+    nbytes = sum(b.nbytes for b in pool.map(lambda k: store.read_chunk(*k), keys))
   seconds = clock() - t0
   return {"disk_gbs": nbytes / seconds / 1e9 if seconds > 0 else float("inf"),
-          "bytes": nbytes, "seconds": seconds, "files": len(files), "workers": workers}
+          "bytes": nbytes, "seconds": seconds, "chunks": len(keys), "workers": workers}

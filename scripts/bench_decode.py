@@ -6,8 +6,8 @@
       --device_cache_gb=0 --host_cache_gb=0.4 --json=/tmp/decode.json
 
 The run:
-1. measures the disk: the store's expert chunk files, dropped from the page cache, read whole on
-   --io_workers threads (the engine's chunk size and concurrency);
+1. measures the disk: the store's expert chunks, dropped from the page cache, read and checked
+   as the engine reads them, on --io_workers threads (its chunk size and concurrency);
 2. measures compute: the same request with every expert resident (warm, compiled);
 3. compiles the offloaded steps once (a warm-up request, traced too), then drops the store from the page
    cache (--cold) and runs the request at the given budgets with a live routing trace;
@@ -120,7 +120,7 @@ def main(argv):
   from glmjax.offload.expert_io import drop_page_cache
   from glmjax.replay import Trace
   from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
-  from glmjax.reporting import bench_store, chunk_files, disk_read_gbs, store_geometry, write_report
+  from glmjax.reporting import bench_store, disk_read_gbs, store_geometry, write_report
   path = bench_store(FLAGS.model, "bench_decode.")
   if not os.path.exists(os.path.join(path, "manifest.json")):
     raise app.UsageError(f"--model {path}: not an expert store (no manifest.json)")
@@ -130,7 +130,7 @@ def main(argv):
   work = tempfile.mkdtemp(prefix="bench_decode.")
   try:
     # 1. the disk, at the engine's chunk size and concurrency
-    disk = disk_read_gbs(chunk_files(path), FLAGS.io_workers)
+    disk = disk_read_gbs(path, FLAGS.io_workers)
 
     # 2. compute: every expert resident, warm
     resident = glmjax.load(path, progress=False, device_cache_gb=geo["expert_bytes_total"] * 2

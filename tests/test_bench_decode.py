@@ -11,7 +11,7 @@ import pytest
 from glmjax.errors import InputError
 from glmjax.replay import Trace
 from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
-from glmjax.reporting import disk_read_gbs
+from glmjax.reporting import disk_read_gbs, store_geometry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,16 +50,14 @@ def test_capacity_counts_host_chunks_and_the_named_layers_slots():
   assert capacity_experts({"chunk_bytes": 100, "host_bytes": 99, "slots": 0, "pins": {}}) == 0
 
 
-def test_disk_bandwidth_on_a_fake_clock(tmp_path):
-  files = []
-  for i in range(3):
-    p = tmp_path / f"chunk{i}"
-    p.write_bytes(bytes(1000 + i))
-    files.append(str(p))
+def test_disk_bandwidth_on_a_fake_clock(embedded_store):
+  """Every main chunk read once, as the engine reads it; GB/s from the clock's seconds."""
   ticks = iter([10.0, 12.0])
-  r = disk_read_gbs(files, workers=2, clock=lambda: next(ticks))
-  assert (r["bytes"], r["seconds"], r["files"]) == (3003, 2.0, 3)
-  assert r["disk_gbs"] == pytest.approx(3003 / 2.0 / 1e9)
+  r = disk_read_gbs(embedded_store, workers=2, clock=lambda: next(ticks))
+  geo = store_geometry(embedded_store)
+  assert r["chunks"] == geo["moe_layers"] * geo["experts"]
+  assert (r["bytes"], r["seconds"]) == (geo["expert_bytes_total"], 2.0)
+  assert r["disk_gbs"] == pytest.approx(geo["expert_bytes_total"] / 2.0 / 1e9)
 
 
 def test_bench_decode_script(embedded_store, tmp_path):

@@ -20,6 +20,7 @@ import tensorstore as ts
 
 import glmjax
 from glmjax.errors import CheckpointError
+from glmjax.formats import store
 from hf_reference import make_hf, rel_err, to_fp8, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -317,3 +318,32 @@ def test_unwritable_destination(src, tmp_path):
   r = convert(src, str(blocker / "store"))
   assert r.returncode == 1 and "destination is not writable" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_direct_chunk_reads_equal_tensorstore_and_check_the_crc(dst, tmp_path, monkeypatch, direct):
+  """The engine's chunk reads (`read_chunk`: the chunk file, O_DIRECT for large chunks) return
+  tensorstore's bytes, and a damaged, truncated or missing chunk is an error naming the layer
+  and expert."""
+  if direct:  # the embedded model's 20 kB chunks are read buffered; force the O_DIRECT branch
+    monkeypatch.setattr(store, "DIRECT_MIN_BYTES", 0)
+  st = store.ExpertStore(dst)
+  for layer in st.layers:
+    for e in (0, 5):
+      np.testing.assert_array_equal(st.read_chunk(layer, e), st.read_async(layer, e).result())
+  bad = str(tmp_path / "bad")
+  shutil.copytree(dst, bad)
+  layer = st.layers[0]
+  chunk = os.path.join(bad, "experts", "main", "c", "0", "3", "0")
+  data = bytearray(open(chunk, "rb").read())
+  data[100] ^= 0xFF
+  open(chunk, "wb").write(data)
+  damaged = store.ExpertStore(bad)
+  with pytest.raises(CheckpointError, match=f"layer {layer} expert 3.*digest"):
+    damaged.read_chunk(layer, 3)
+  open(chunk, "wb").write(data[:1000])
+  with pytest.raises(CheckpointError, match=f"layer {layer} expert 3.*truncated"):
+    damaged.read_chunk(layer, 3)
+  os.remove(chunk)
+  with pytest.raises(CheckpointError, match=f"layer {layer} expert 3.*cannot read"):
+    damaged.read_chunk(layer, 3)

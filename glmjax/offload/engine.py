@@ -200,7 +200,7 @@ class OffloadEngine:
     self.slabs = HostSlabs(store.layout, self._max_host_slots, n_layers, e)  # slot-addressed
     self.pin_tables = np.full((n_layers, e), -1, np.int32)  # rows: each DevicePool's table
     # The read function closes over the store only, never the engine (see ExpertReader).
-    read = lambda layer, expert, store=store: store.read_async(layer, expert).result()
+    read = lambda layer, expert, store=store: store.read_chunk(layer, expert)
     self.reader = ExpertReader(read, io_workers, io_timeout_s)
     # A model dropped without close() still stops its I/O threads when collected.
     self._finalizer = weakref.finalize(self, self.reader.close)

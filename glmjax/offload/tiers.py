@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.model.forward import bucket
 from glmjax.model.quant import ExpertPool, ExpertWeights
 
 # LFRU re-pin hysteresis: a candidate replaces the coldest pinned expert only when its heat
@@ -105,15 +104,14 @@ class HostSlab:
     return self.free.pop()
 
   def write(self, slots: list[int], blobs: list[np.ndarray]) -> None:
-    """Writes chunk bytes into `slots`, up to WRITE_BATCH experts per donated in-place call
-    (a batch costs about twice its bytes in transient memory: the stacked chunks and their
-    unpacked fields)."""
+    """Writes chunk bytes into `slots`, up to WRITE_BATCH experts per donated in-place call.
+    Each chunk goes in as its own argument (page-aligned reads are taken without a copy) and
+    is copied once, into its slot: stacking the chunks first cost two more copies of each and
+    the page faults of two fresh buffers."""
     for i in range(0, len(slots), WRITE_BATCH):
       part, chunk = slots[i:i + WRITE_BATCH], blobs[i:i + WRITE_BATCH]
-      n = bucket(len(part))  # padded (repeating the last write) so few shapes compile
-      ids = np.asarray(part + part[-1:] * (n - len(part)), np.int32)
-      stacked = np.stack(chunk + chunk[-1:] * (n - len(chunk)))  # [n, nbytes] uint8
-      self.pool = _install_blobs(self.pool, ids, stacked, self.layout)
+      self.pool = _install_blobs(self.pool, np.asarray(part, np.int32), tuple(chunk),
+                                 self.layout)
 
 
 class HostSlabs:
@@ -235,18 +233,20 @@ def _install(pool: ExpertPool, slot, expert: ExpertPool) -> ExpertPool:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
-def _install_blobs(pool: ExpertPool, slots, blobs, layout) -> ExpertPool:
-  """Chunk bytes `[n, B]` unpacked (the store layout's fields, bitcast in the jit) into
-  `slots` `[n]` of a donated pool."""
-  parts = []
-  for f in layout.fields:
-    dtype = np.dtype(f.dtype)
-    raw = blobs[:, f.offset:f.offset + f.nbytes]
-    if dtype.itemsize > 1:
-      raw = raw.reshape(raw.shape[0], -1, dtype.itemsize)
-    parts.append(jax.lax.bitcast_convert_type(raw, dtype).reshape(raw.shape[0], *f.shape))
-  leaves = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
-  gp, gs, dp, ds = (leaf.at[slots].set(part) for leaf, part in zip(leaves, parts))
+def _install_blobs(pool: ExpertPool, slots, blobs: tuple, layout) -> ExpertPool:
+  """Chunks (a tuple of n `[B]` byte arrays) unpacked (the store layout's fields, bitcast in
+  the jit) into `slots` `[n]` of a donated pool, each by an in-place slice update."""
+  leaves = [pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales]
+  for i, blob in enumerate(blobs):
+    for j, f in enumerate(layout.fields):
+      dtype = np.dtype(f.dtype)
+      raw = blob[f.offset:f.offset + f.nbytes]
+      if dtype.itemsize > 1:
+        raw = raw.reshape(-1, dtype.itemsize)
+      part = jax.lax.bitcast_convert_type(raw, dtype).reshape(1, *f.shape)
+      start = (slots[i],) + (0,) * len(f.shape)
+      leaves[j] = jax.lax.dynamic_update_slice(leaves[j], part, start)
+  gp, gs, dp, ds = leaves
   return ExpertPool(dataclasses.replace(pool.gate_up, packed=gp, scales=gs),
                     dataclasses.replace(pool.down, packed=dp, scales=ds))
 
