@@ -63,12 +63,28 @@ def test_calibrate_recovers_a_known_overhead():
   assert fit["hardware"].layer_overhead_s == pytest.approx(3.7e-4, abs=1e-9)
   assert fit["max_abs_rel_error"] < 1e-9
   assert [r["measured_s"] for r in fit["runs"]] == [m for _, m in runs]
-  # Offsets that cancel: the least-squares fit is their mean, the errors are symmetric.
-  runs = [(hits[0], runs[0][1] + 1e-3), (hits[1], runs[1][1] - 1e-3)]
-  fit = calibrate(runs, GEO, HW)
-  assert abs(fit["layer_overhead_s"] - 3.7e-4) < 1e-9
+  assert abs(fit["miss_overhead_s"]) < 1e-9  # none in the truth, none fitted
+  # Offsets that cancel, per-layer constant only: the fit is their mean, errors symmetric.
+  runs2 = [(hits[0], runs[0][1] + 1e-3), (hits[1], runs[1][1] - 1e-3)]
+  fit = calibrate(runs2, GEO, HW, per_miss=False)
+  assert abs(fit["layer_overhead_s"] - 3.7e-4) < 1e-9 and fit["miss_overhead_s"] == 0.0
   errs = [r["rel_error"] for r in fit["runs"]]
   assert errs[0] < 0 < errs[1]
+
+
+def test_calibrate_recovers_a_known_per_miss_cost():
+  """Both overheads come back from runs that differ in misses; with one miss count the
+  per-miss cost cannot be told from the per-layer one and stays 0."""
+  truth = dataclasses.replace(HW, layer_overhead_s=2.0e-4, miss_overhead_s=2.5e-4)
+  hits = [Hits(0, 0, 6), Hits(0, 3, 3), Hits(2, 4, 0)]
+  runs = [(h, predict(GEO, truth, h)["s_per_token"]) for h in hits]
+  fit = calibrate(runs, GEO, HW)
+  assert fit["layer_overhead_s"] == pytest.approx(2.0e-4, abs=1e-10)
+  assert fit["miss_overhead_s"] == pytest.approx(2.5e-4, abs=1e-10)
+  assert fit["max_abs_rel_error"] < 1e-9
+  same = calibrate([(hits[0], runs[0][1]), (hits[0], runs[0][1])], GEO, HW)
+  assert same["miss_overhead_s"] == 0.0
+  assert same["layer_overhead_s"] == pytest.approx(2.0e-4 + 6 * 2.5e-4, abs=1e-10)
 
 
 @pytest.mark.parametrize("make, name", [

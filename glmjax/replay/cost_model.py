@@ -5,7 +5,7 @@
 
 The model, per token (one decode step; every MoE layer sees the same expected counts):
 
-    s/token = dense_s + L · (overhead + pin_s + host_s + miss_s)
+    s/token = dense_s + L · (overhead + miss · miss_overhead + pin_s + host_s + miss_s)
 
 with L = `moe_layers`, B = `expert_bytes` and, per MoE layer, the expected numbers of experts
 served by each tier (`Hits`: pin + host + miss = the layer's union, top_k at batch 1):
@@ -23,7 +23,11 @@ the last compute after the last read). `min(miss, 1)` keeps that term proportion
 one expected miss.
 
 `overhead` (`layer_overhead_s`) is the fixed per-layer host cost (the round trip that reads
-the routing ids, bookkeeping, kernel launches); `calibrate` fits it to measured runs. Every
+the routing ids, bookkeeping, kernel launches) and `miss_overhead` (`miss_overhead_s`) the fixed
+software cost of one miss beyond its bytes (the hand-off from an I/O thread, the host-cache
+insert and slab write, its own kernel call); `calibrate` fits both to measured runs. With a
+per-layer constant alone the model could not follow the tier mix on this machine: a step that
+misses nothing runs fused (one jit, no per-layer round trip), a thrashing one pays per miss. Every
 bandwidth is in GB/s of 1e9 bytes. The pinned and host-hit terms add rather than overlap the
 miss reads: the model is deliberately the simple upper-bound form. Resident compute that does
 hide behind reads shows up in the calibrated overhead.
@@ -78,17 +82,19 @@ class Geometry:
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   """Bandwidths in GB/s (1e9 bytes) and the fixed host overhead per MoE layer in seconds.
-  A bandwidth may be `math.inf` for a stage that costs nothing (no bus on a CPU-only box)."""
+  A bandwidth may be `math.inf` for a stage that costs nothing (no bus on a CPU-only box).
+  `miss_overhead_s` is the fixed cost of one miss beyond its bytes."""
   disk_gbs: float
   h2d_gbs: float
   cpu_kernel_gbs: float
   device_kernel_gbs: float
   layer_overhead_s: float = 0.0
+  miss_overhead_s: float = 0.0
 
   def __post_init__(self):
     bandwidths = ("disk_gbs", "h2d_gbs", "cpu_kernel_gbs", "device_kernel_gbs")
-    _positive(self, (*bandwidths, "layer_overhead_s"), zero_ok=("layer_overhead_s",),
-              inf_ok=bandwidths)
+    overheads = ("layer_overhead_s", "miss_overhead_s")
+    _positive(self, (*bandwidths, *overheads), zero_ok=overheads, inf_ok=bandwidths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +170,7 @@ def predict(geometry: Geometry, hardware: Hardware, hits: Hits,
   layers = geometry.moe_layers
   parts = {
       "dense_s": geometry.dense_s_per_token,
-      "overhead_s": layers * hw.layer_overhead_s,
+      "overhead_s": layers * (hw.layer_overhead_s + hits.miss * hw.miss_overhead_s),
       "pin_s": layers * pin_s,
       "host_s": layers * host_s,
       "miss_s": layers * miss_s,
@@ -176,16 +182,18 @@ def predict(geometry: Geometry, hardware: Hardware, hits: Hits,
           "expert_bytes_read_per_token": layers * hits.miss * b}
 
 
-def calibrate(runs, geometry: Geometry, hardware: Hardware, placement: str = "host") -> dict:
-  """Fits `layer_overhead_s` alone to measured runs, by least squares in closed form.
+def calibrate(runs, geometry: Geometry, hardware: Hardware, placement: str = "host",
+              per_miss: bool = True) -> dict:
+  """Fits `layer_overhead_s` and `miss_overhead_s` to measured runs by least squares.
 
-  runs: a sequence of (Hits, measured seconds per token). The prediction is affine in the
-  overhead, predicted_i = a_i + L · overhead with a_i the prediction at overhead 0, so the
-  squared error is least at overhead = mean(measured_i − a_i) / L. `layer_overhead_s` and the
-  per-run predictions use the fit as is; a negative one means the other terms already
-  over-predict (the returned Hardware, which cannot hold it, clamps it at 0).
-  Returns layer_overhead_s, the calibrated Hardware, and per run: measured, predicted and
-  relative error (predicted / measured − 1), plus the largest absolute relative error.
+  runs: a sequence of (Hits, measured seconds per token). The prediction is affine in both
+  overheads, predicted_i = a_i + L · (overhead + miss_i · miss_overhead) with a_i the
+  prediction at zero overheads, so the fit is linear least squares. `miss_overhead_s` is fitted
+  only with `per_miss` and at least two distinct miss counts (else it stays 0 and the overhead
+  is mean(measured_i − a_i) / L). The per-run predictions use the fit as is; a negative value
+  means the other terms already over-predict (the returned Hardware clamps it at 0).
+  Returns layer_overhead_s, miss_overhead_s, the calibrated Hardware, and per run: measured,
+  predicted and relative error (predicted / measured − 1), plus the largest absolute one.
   """
   runs = list(runs)
   if not runs:
@@ -195,14 +203,24 @@ def calibrate(runs, geometry: Geometry, hardware: Hardware, placement: str = "ho
       raise InputError(f"runs[{i}] must be a (Hits, measured s/token) pair, got {run!r}")
     if isinstance(run[1], bool) or not isinstance(run[1], (int, float)) or not run[1] > 0:
       raise InputError(f"runs[{i}]: measured s/token must be > 0, got {run[1]!r}")
-  zero = dataclasses.replace(hardware, layer_overhead_s=0.0)
+  zero = dataclasses.replace(hardware, layer_overhead_s=0.0, miss_overhead_s=0.0)
   base = [predict(geometry, zero, h, placement)["s_per_token"] for h, _ in runs]
-  overhead = sum(m - a for (_, m), a in zip(runs, base)) / (len(runs) * geometry.moe_layers)
-  fitted = dataclasses.replace(hardware, layer_overhead_s=max(overhead, 0.0))
+  layers = geometry.moe_layers
+  gap = [(m - a) / layers for (_, m), a in zip(runs, base)]  # per layer, to be explained
+  misses = [h.miss for h, _ in runs]
+  if per_miss and len(set(misses)) > 1:
+    mx, my = sum(misses) / len(runs), sum(gap) / len(runs)
+    per_miss_s = (sum((x - mx) * (y - my) for x, y in zip(misses, gap))
+                  / sum((x - mx) ** 2 for x in misses))
+    overhead = my - per_miss_s * mx
+  else:
+    per_miss_s, overhead = 0.0, sum(gap) / len(runs)
+  fitted = dataclasses.replace(hardware, layer_overhead_s=max(overhead, 0.0),
+                               miss_overhead_s=max(per_miss_s, 0.0))
   out = []
   for (h, m), a in zip(runs, base):
-    p = a + geometry.moe_layers * overhead
+    p = a + layers * (overhead + h.miss * per_miss_s)
     out.append({"hits": dataclasses.asdict(h), "measured_s": m, "predicted_s": p,
                 "rel_error": p / m - 1.0})
-  return {"layer_overhead_s": overhead, "hardware": fitted, "runs": out,
-          "max_abs_rel_error": max(abs(r["rel_error"]) for r in out)}
+  return {"layer_overhead_s": overhead, "miss_overhead_s": per_miss_s, "hardware": fitted,
+          "runs": out, "max_abs_rel_error": max(abs(r["rel_error"]) for r in out)}
