@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import threading
-import time
 
 import numpy as np
 from tqdm import tqdm
@@ -218,25 +217,14 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
     json.dump(out_config, f, indent=2)
 
-  manifest = {
-      "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
-      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "quant": {"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
-                "scheme": "symmetric group-wise, bf16 scales, round-to-nearest",
-                "dense_dtype": dense_dtype},
-      "source": {"path": os.path.abspath(src), "fp8_block_size": block},
-      "source_config": out_config,
-      "moe_layers": moe_layers, "mtp_layers": mtp_layers,
-      "mtp_has_head": bool(tree.mtp) and tree.mtp[0].head is not None,
-      "experts": group_meta,
-      "integrity": {"experts": "zarr v3 crc32c codec on every chunk",
-                    "dense": "zlib crc32 of each array's bytes (below)"},
-      "dense": prog.dense,
-  }
-  tmp = os.path.join(dst, store.MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(manifest, f, indent=1)
-  os.replace(tmp, os.path.join(dst, store.MANIFEST))
+  manifest = store.write_manifest(
+      dst, quant={"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
+                  "scheme": "symmetric group-wise, bf16 scales, round-to-nearest",
+                  "dense_dtype": dense_dtype},
+      source={"path": os.path.abspath(src), "fp8_block_size": block}, source_config=out_config,
+      moe_layers=moe_layers, mtp_layers=mtp_layers,
+      mtp_has_head=bool(tree.mtp) and tree.mtp[0].head is not None, experts=group_meta,
+      dense=prog.dense)
   prog.close()
   os.remove(prog.path)
   return manifest

@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import json
 import os
+import time
 import zlib
 from typing import Any
 
@@ -159,6 +160,29 @@ def flat_leaves(part) -> dict[str, Any]:
 
 def crc(a) -> int:
   return zlib.crc32(np.ascontiguousarray(np.asarray(a)).view(np.uint8).reshape(-1))
+
+
+def write_manifest(dst: str, *, quant: dict, source: dict, source_config: dict, moe_layers,
+                   mtp_layers, mtp_has_head: bool, experts: dict, dense: dict,
+                   **extra) -> dict:
+  """Writes `dst`'s manifest, last and atomically (a store without one is never loaded), from
+  what the writer knows: quantization settings, the source, the MoE/MTP layers, each expert
+  group's metadata and the dense checksums (`extra`: further top-level keys). Returns it."""
+  manifest = {
+      "format": FORMAT, "format_version": FORMAT_VERSION,
+      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "quant": quant, "source": source, "source_config": source_config,
+      "moe_layers": list(moe_layers), "mtp_layers": list(mtp_layers),
+      "mtp_has_head": bool(mtp_has_head), "experts": experts,
+      "integrity": {"experts": "zarr v3 crc32c codec on every chunk",
+                    "dense": "zlib crc32 of each array's bytes (below)"},
+      "dense": dense, **extra,
+  }
+  tmp = os.path.join(dst, MANIFEST + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(manifest, f, indent=1)
+  os.replace(tmp, os.path.join(dst, MANIFEST))
+  return manifest
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ import math
 import os
 import shutil
 import threading
-import time
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -476,26 +475,14 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     shutil.copyfile(os.path.join(embedded.PATH, fname), os.path.join(dst, fname))
   with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
     json.dump(raw, f, indent=2)
-  manifest = {
-      "format": store.FORMAT, "format_version": store.FORMAT_VERSION,
-      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "quant": {"expert_bits": EXPERT_BITS, "mtp_bits": MTP_BITS, "group_size": GROUP_SIZE,
-                "scheme": "synthetic: random triangular codes, random bf16 group scales",
-                "dense_dtype": "bfloat16"},
-      "source": {"path": None, "fp8_block_size": None},
-      "source_config": raw,
-      "moe_layers": groups["main"][0], "mtp_layers": groups["mtp"][0] if mtp else [],
-      "mtp_has_head": False,  # the MTP block reuses lm_head, as GLM-5's does
-      "experts": group_meta,
-      "integrity": {"experts": "zarr v3 crc32c codec on every chunk",
-                    "dense": "zlib crc32 of each array's bytes (below)"},
-      "dense": dense_sums,
-      "synthetic": settings,
-  }
-  tmp = os.path.join(dst, store.MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(manifest, f, indent=1)
-  os.replace(tmp, os.path.join(dst, store.MANIFEST))
+  manifest = store.write_manifest(
+      dst, quant={"expert_bits": EXPERT_BITS, "mtp_bits": MTP_BITS, "group_size": GROUP_SIZE,
+                  "scheme": "synthetic: random triangular codes, random bf16 group scales",
+                  "dense_dtype": "bfloat16"},
+      source={"path": None, "fp8_block_size": None}, source_config=raw,
+      moe_layers=groups["main"][0], mtp_layers=groups["mtp"][0] if mtp else [],
+      mtp_has_head=False,  # the MTP block reuses lm_head, as GLM-5's does
+      experts=group_meta, dense=dense_sums, synthetic=settings)
   os.remove(os.path.join(dst, store.PROGRESS))
   return manifest
 
