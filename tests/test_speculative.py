@@ -218,8 +218,9 @@ def test_prefetch_changes_no_output_and_counters_add_up(random_store):
 
 def test_pilot_recall_matches_independent_routing(random_store):
   """The engine's pilot recall over one teacher-forced forward equals a recomputation with
-  the pure model functions: layer L+1's router on layer L's post-attention residual, against
-  L+1's actual routing (same int4 experts, resident, through glmjax.model.moe.moe)."""
+  the pure model functions: layer L+1's router on layer L's post-attention residual (on a
+  dense layer's output when L is dense), against L+1's actual routing (same int4 experts,
+  resident, through glmjax.model.moe.moe)."""
   import dataclasses
   import jax
   from glmjax.model import attention as att
@@ -244,6 +245,15 @@ def test_pilot_recall_matches_independent_routing(random_store):
   x = model.weights.embed[jnp.asarray(toks)]
   pos = jnp.arange(toks.shape[1])
   sel, pred, want_hits, want_actual = None, None, 0, 0
+
+  def predict(i, x):  # layer i+1's router on x, when layer i+1 is a MoE layer
+    nxt = layers[i + 1] if i + 1 < len(layers) else None
+    if nxt is None or not isinstance(nxt.mlp, MoE):
+      return None
+    hn = rms_norm(x, nxt.mlp_norm, cfg.rms_norm_eps)[0]
+    sc = jax.nn.sigmoid(hn @ nxt.mlp.router.T) + nxt.mlp.bias
+    return set(np.unique(np.asarray(jax.lax.top_k(sc, 3)[1])).tolist())
+
   for i, lw in enumerate(layers):
     a, _, sel = att.attention(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), pos, cfg,
                               selection=sel)
@@ -251,17 +261,13 @@ def test_pilot_recall_matches_independent_routing(random_store):
     hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     if not isinstance(lw.mlp, MoE):
       x = x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down)
+      pred = predict(i, x)  # from the dense layer's output
       continue
     union = set(np.unique(np.asarray(route(hm[0], lw.mlp.router, lw.mlp.bias, cfg)[0])).tolist())
     if pred is not None:
       want_hits += len(pred & union)
       want_actual += len(union)
-    nxt = layers[i + 1] if i + 1 < len(layers) else None
-    pred = None
-    if nxt is not None and isinstance(nxt.mlp, MoE):
-      hn = rms_norm(x, nxt.mlp_norm, cfg.rms_norm_eps)[0]
-      sc = jax.nn.sigmoid(hn @ nxt.mlp.router.T) + nxt.mlp.bias
-      pred = set(np.unique(np.asarray(jax.lax.top_k(sc, 3)[1])).tolist())
+    pred = predict(i, x)  # from the post-attention residual
     x = x + moe_fn(lw.mlp, hm, cfg)
   assert want_actual > 0 and (hits, actual) == (want_hits, want_actual)
 

@@ -218,6 +218,7 @@ class OffloadEngine:
     self.inflight: dict[tuple[int, int], tuple] = {}  # key → (future, kind)
     self.landed_unused: set = set()  # prefetched, landed, not yet used
     self.pilot_pred: dict[int, set] = {}  # layer → experts the pilot predicted this step
+    self._layer_index = {id(l): i for i, l in enumerate(dense.layers)}  # for `_dense_pilot`
     self.couple_path = os.path.join(store.path, COUPLE_FILE)
     self.couple = _load_couple(self.couple_path, cfg.num_hidden_layers + len(dense.mtp),
                                cfg.n_routed_experts)
@@ -620,28 +621,51 @@ class OffloadEngine:
       if record is not None:
         experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
       out = forward(self.dense, tokens, self.cfg, cache, absorbed, experts=experts,
-                    steps=self._steps(), n_valid=n_valid,
+                    steps=self._steps(n_valid), n_valid=n_valid,
                     route_args=self._route_args if aware else None, expert_cap=expert_cap)
       self._fused_ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
     return out
 
-  def _steps(self):
-    """The jitted pieces, each timed into `stage_s` (waiting for its results) when on."""
-    if self.stage_s is None:
-      return JITTED
-    def timed(name, fn):
-      def call(*args, **kw):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, **kw))
-        self._stage(name, t0)
-        return out
-      return call
-    return dataclasses.replace(
-        JITTED, embed=timed("embed", JITTED.embed),
-        attn_route=timed("attention_route", JITTED.attn_route),
-        finish=timed("combine", JITTED.finish), logits=timed("lm_head", JITTED.logits))
+  def _steps(self, n_valid=None):
+    """The jitted pieces, each timed into `stage_s` (waiting for its results) when on; while
+    predicting, a dense layer followed by a MoE layer also hints the pilot's prediction of that
+    layer's experts (`_dense_pilot`)."""
+    steps = JITTED
+    if self.stage_s is not None:
+      def timed(name, fn):
+        def call(*args, **kw):
+          t0 = time.perf_counter()
+          out = jax.block_until_ready(fn(*args, **kw))
+          self._stage(name, t0)
+          return out
+        return call
+      steps = dataclasses.replace(
+          JITTED, embed=timed("embed", JITTED.embed),
+          attn_route=timed("attention_route", JITTED.attn_route),
+          finish=timed("combine", JITTED.finish), logits=timed("lm_head", JITTED.logits))
+    if self._predicting and self.pilot_k:
+      steps = dataclasses.replace(steps, attn_route=self._dense_pilot(steps.attn_route, n_valid))
+    return steps
+
+  def _dense_pilot(self, attn_route, n_valid):
+    """`attn_route`, which after a dense layer whose successor is a MoE layer hints the pilot's
+    prediction of that layer's experts from the dense layer's output, so their reads overlap
+    the MoE layer's attention instead of waiting for its routing (the MoE → MoE pilot runs in
+    `_tiered`). Padding rows predict nothing."""
+    def call(lw, x, start, **kw):
+      out = attn_route(lw, x, start, **kw)
+      i = self._layer_index.get(id(lw))
+      nxt = None if out[2] is not None or i is None else self._next_moe(i)
+      if nxt is not None:
+        k = min(self.pilot_k, self.cfg.n_routed_experts)
+        pilot = np.asarray(pilot_step(self.dense.layers[nxt], out[0], cfg=self.cfg, k=k))
+        pred = {int(e) for e in np.unique(pilot[valid_rows(out[0].shape, n_valid)])}
+        self.pilot_pred[nxt] = pred
+        self.hint(nxt, sorted(pred), PILOT)
+      return out
+    return call
 
   def _all_cached(self) -> bool:
     """Every routed expert of the main layers is held by a tier: no step can miss."""
