@@ -32,7 +32,7 @@ def _padded(prompt_ids: np.ndarray, start: int, capacity: int):
   """`[1, S]` prompt right-padded to its bucket (within the cache's room after `start`): the
   shape every prefill of these ids compiles for, first run and replay alike."""
   n = len(prompt_ids)
-  return jnp.asarray(np.pad(prompt_ids, (0, min(_bucket(n), capacity - start) - n))[None])
+  return np.pad(prompt_ids, (0, min(_bucket(n), capacity - start) - n))[None]
 
 
 @dataclasses.dataclass
@@ -64,12 +64,13 @@ class Model:
   """
 
   def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None,
-               engine=None):
+               engine=None, mesh=None):
     self.config = config
     self.weights = weights
     self.options = options
     self.path = path
     self.engine = engine
+    self.mesh = mesh  # the jax.sharding.Mesh the weights are sharded over, or None
     # Resident models run one jit per step; a store whose experts all fit is one of them (its
     # engine stays for telemetry). Otherwise the engine drives the forward layer by layer.
     self.offloaded = engine is not None and not engine.all_resident
@@ -97,6 +98,20 @@ class Model:
 
   def _max_context(self) -> int:
     return self.options.max_context or self.config.max_position_embeddings
+
+  def _put(self, x, dtype=None) -> jax.Array:
+    """A host input (ids, lengths) as a device array: `jnp.asarray` on one device; on a mesh
+    replicated over it, built from each process's own copy (all processes pass the same)."""
+    if self.mesh is None:
+      return jnp.asarray(x, dtype)
+    from glmjax import sharding
+    return sharding.put(np.asarray(x, dtype), sharding.replicated(self.mesh))
+
+  def _new_cache(self, capacity: int) -> KVCache:
+    """An empty batch-1 cache: on the first device, or replicated over the mesh."""
+    from glmjax import sharding
+    where = None if self.mesh is None else sharding.replicated(self.mesh)
+    return init_cache(self.config, 1, capacity, sharding=where)
 
   def _compile(self, name, fn, *args, **static):
     """AOT-compiles `fn` once per argument shape so timings exclude compilation."""
@@ -136,12 +151,12 @@ class Model:
     record = opts if recorder is not None else None
     tag = "" if record is None else "+record"
     pre = self._compile("prefill" + tag, prefill_fn, w, cache, toks, n, cfg=cfg, kernel=kernel,
-                        record=record)
+                        record=record, mesh=self.mesh)
     step = self._compile("decode" + tag, decode_fn, w, cache, toks[:, :1], cfg=cfg,
-                         kernel=kernel, record=record)
+                         kernel=kernel, record=record, mesh=self.mesh)
 
     def prefill(cache, toks, n_valid):
-      out = pre(w, cache, toks, jnp.asarray(n_valid, jnp.int32))
+      out = pre(w, cache, toks, self._put(n_valid, jnp.int32))
       if recorder is not None:
         keep(toks, out[3], n_valid)
       return out[0], out[2]
@@ -168,8 +183,8 @@ class Model:
       self.engine.forward(arr, record=rec, record_opts=opts)
       out = stack_records(rec)
     else:
-      out = record_fn(self.weights, jnp.asarray(arr), cfg=self.config,
-                      kernel=self.options.moe_kernel, opts=opts)
+      out = record_fn(self.weights, self._put(arr), cfg=self.config,
+                      kernel=self.options.moe_kernel, opts=opts, mesh=self.mesh)
     return {k: np.asarray(v) for k, v in out.items()} if fetch else out
 
   @property
@@ -187,8 +202,8 @@ class Model:
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
     if self.offloaded:
       return np.asarray(self.engine.forward(arr)[0], np.float32)
-    return np.asarray(score_fn(self.weights, jnp.asarray(arr), cfg=self.config,
-                               kernel=self.options.moe_kernel), np.float32)
+    return np.asarray(score_fn(self.weights, self._put(arr), cfg=self.config,
+                               kernel=self.options.moe_kernel, mesh=self.mesh), np.float32)
 
   def generate(self, prompt_tokens: Sequence[int] | str, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -230,8 +245,8 @@ class Model:
                             repetition_penalty, stop_ids, stop, on_token, on_text)
     if trace is not None:
       request.recorder = self._recorder(trace)
-    cache = init_cache(self.config, 1, _bucket(max(_bucket(len(prompt_ids)),
-                                                   len(prompt_ids) + max_new_tokens)))
+    cache = self._new_cache(_bucket(max(_bucket(len(prompt_ids)),
+                                        len(prompt_ids) + max_new_tokens)))
     result, _ = self._run(prompt_ids, cache, request, draft, on_round)
     if trace is not None:
       request.recorder.save()
@@ -295,7 +310,7 @@ class Model:
     if start + n + req.max_new_tokens > cap or min(_bucket(n), cap - start) < n:
       raise InputError(f"context full: {start} cached + {n} prompt + {req.max_new_tokens} new "
                        f"tokens exceed the cache capacity {cap}")
-    toks = _padded(prompt_ids, start, cap)
+    toks = self._put(_padded(prompt_ids, start, cap))
     before = self.engine.telemetry() if self.engine else {}
     if draft and req.max_new_tokens:
       stats = self._speculate(cache, toks, n, req, draft, on_round)
@@ -307,7 +322,7 @@ class Model:
       stats.update(self._engine_stats(before))
       self.engine.save()
     if cache is not None:  # it holds the prompt and every emitted token but the last
-      cache = KVCache(cache.layers, jnp.asarray(start + n + max(len(req.out) - 1, 0), jnp.int32))
+      cache = KVCache(cache.layers, self._put(start + n + max(len(req.out) - 1, 0), jnp.int32))
     result = GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
                               text="".join(req.pieces) if req.stream is not None else None)
     return result, cache
@@ -328,7 +343,7 @@ class Model:
     t0, c0 = time.perf_counter(), 0.0
     with CompileClock() as clock:
       while req.max_new_tokens and not req.emit(tok):
-        logits, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+        logits, cache = decode(cache, self._put([[tok]], jnp.int32))
         tok = req.picker.pick(logits[0])
         if first_step_s is None:
           first_step_s, c0 = time.perf_counter() - t0, clock.seconds
@@ -462,7 +477,7 @@ class ChatSession:
     self.enable_thinking = enable_thinking
     limit = min(max_context or 4096, model._max_context())
     self.capacity = min(_bucket(limit), model._max_context())
-    self.cache = init_cache(model.config, 1, self.capacity)
+    self.cache = model._new_cache(self.capacity)
     self.tokens: list[int] = []  # what the cache holds, position by position
     # Each successful turn as fed: (cached positions kept, prompt ids prefilled, ids decoded).
     self._feeds: list[tuple[int, np.ndarray, list[int]]] = []
@@ -494,7 +509,7 @@ class ChatSession:
     prompt = np.asarray(ids[common:], np.int32)
     request = self.model._request(prompt, max_new_tokens, **sampling)
     # Positions past `common` are stale; attention never sees them once overwritten.
-    cache = KVCache(self.cache.layers, jnp.asarray(common, jnp.int32))
+    cache = KVCache(self.cache.layers, self.model._put(common, jnp.int32))
     try:
       result, cache = self.model._run(prompt, cache, request)
     except GlmjaxError:
@@ -509,16 +524,16 @@ class ChatSession:
 
   def _rebuild(self) -> None:
     """A fresh cache holding the successful turns, fed exactly as they were."""
-    steps = self.model._steps
-    cache = init_cache(self.model.config, 1, self.capacity)
+    model = self.model
+    cache = model._new_cache(self.capacity)
     for common, prompt, decoded in self._feeds:
       n = len(prompt)
-      toks = _padded(prompt, common, self.capacity)
-      cache = KVCache(cache.layers, jnp.asarray(common, jnp.int32))
-      prefill, decode = steps(cache, toks)
+      toks = model._put(_padded(prompt, common, self.capacity))
+      cache = KVCache(cache.layers, model._put(common, jnp.int32))
+      prefill, decode = model._steps(cache, toks)
       _, cache = prefill(cache, toks, n)
       for tok in decoded:
-        _, cache = decode(cache, jnp.asarray([[tok]], jnp.int32))
+        _, cache = decode(cache, model._put([[tok]], jnp.int32))
     self.cache = cache
     self._stale = False
 
@@ -530,9 +545,13 @@ def _tokenizer(path):
   return None
 
 
-def load(path: str | os.PathLike | None = None, **options) -> Model:
+def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
   """Loads a model: an HF `glm_moe_dsa` checkpoint directory, a converted expert store
   (`scripts/convert.py`), or, with no path, the embedded default.
+
+  `mesh` (a `jax.sharding.Mesh` whose axes come from "expert", "tensor", "data"; None = one
+  device) shards the weights by the plan of `glmjax.sharding`: routed experts along `expert`,
+  attention heads and dense MLP columns along `tensor`; every call then runs on the mesh.
 
   Options are those of `glmjax.options.Options` (dtype, moe_kernel, progress, max_context,
   device_cache_gb, host_cache_gb, io_workers, io_timeout_s, cold).
@@ -549,8 +568,13 @@ def load(path: str | os.PathLike | None = None, **options) -> Model:
                        "expert_compute, io_workers, cold, prefetch, pilot_k, couple_k, "
                        "cache_route, expert_budget) need an expert store; convert it with "
                        "scripts/convert.py")
-    cfg, weights = checkpoint.load_hf(path, dtype=opts.jnp_dtype, progress=opts.progress)
-    return Model(cfg, weights, opts, path)
+    cfg = Config.from_json(path)
+    if mesh is not None:
+      from glmjax import sharding
+      sharding.check_mesh(mesh, cfg)
+    cfg, weights = checkpoint.load_hf(path, cfg, dtype=opts.jnp_dtype, progress=opts.progress,
+                                      mesh=mesh)
+    return Model(cfg, weights, opts, path, mesh=mesh)
 
   from glmjax.offload import budget
   from glmjax.offload.engine import OffloadEngine

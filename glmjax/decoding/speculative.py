@@ -38,27 +38,39 @@ class ResidentBackend:
   def __init__(self, model):
     self.w, self.cfg = model.weights, model.config
     self.kernel = model.options.moe_kernel
+    self.mesh = model.mesh
+    self.put = model._put  # host ids and lengths onto the model's device(s)
 
   def main(self, cache, tokens, absorbed, n_valid=None):
     """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
     record = RecordOptions() if self.recorder is not None else None
     out = decode_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed,
-                    record=record)
+                    record=record, mesh=self.mesh)
     if record is not None:
       n = tokens.shape[1] if n_valid is None else n_valid
       self.recorder.add(np.asarray(tokens)[0, :n], out[3], slice(0, n))
     return out[:3]
 
   def mtp(self, h, next_tokens, cache, start):
-    return mtp_fn(self.w, h, next_tokens, cache, jnp.asarray(start, jnp.int32), cfg=self.cfg,
-                  kernel=self.kernel)
+    return mtp_fn(self.w, h, next_tokens, cache, self.put(start, jnp.int32), cfg=self.cfg,
+                  kernel=self.kernel, mesh=self.mesh)
+
+  def mtp_cache(self, capacity: int):
+    from glmjax import sharding
+    where = None if self.mesh is None else sharding.replicated(self.mesh)
+    return init_mtp_cache(self.cfg, 1, capacity, sharding=where)
 
 
 class EngineBackend:
   recorder = None
+  put = staticmethod(jnp.asarray)
 
   def __init__(self, model):
     self.engine = model.engine
+    self.cfg = model.config
+
+  def mtp_cache(self, capacity: int):
+    return init_mtp_cache(self.cfg, 1, capacity)
 
   def main(self, cache, tokens, absorbed, n_valid=None):
     # A verify pass (absorbed, with drafts after the token; the prefill is not absorbed) may
@@ -213,12 +225,13 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
   cap = cache.layers[0].latent.shape[1]
   t0 = time.perf_counter()
   logits, x, cache = backend.main(cache, toks, absorbed=False, n_valid=n)
-  cache = KVCache(cache.layers, jnp.asarray(start + n, jnp.int32))
+  put = backend.put
+  cache = KVCache(cache.layers, put(start + n, jnp.int32))
   prompt = np.asarray(toks[0, :n])
   tok = picker.pick(logits[0, n - 1])
   prefill_s = time.perf_counter() - t0
   prefill_compile_s = clock.seconds
-  mcache = init_mtp_cache(cfg, 1, cap)
+  mcache = backend.mtp_cache(cap)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
   # is next needed, so k = 0 rounds cost exactly a plain decode step.
@@ -249,18 +262,18 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
         hs, ts, pending_at = hs[skip:], ts[skip:], pending_at + skip
       m = hs.shape[0]
       width = min(bucket(m), cap - pending_at)  # padded: fewer shapes to compile
-      hp = jnp.asarray(np.pad(hs, ((0, width - m), (0, 0)))[None])
-      tp = jnp.asarray([ts + [0] * (width - m)], jnp.int32)
+      hp = put(np.pad(hs, ((0, width - m), (0, 0)))[None])
+      tp = put([ts + [0] * (width - m)], jnp.int32)
       mlog, mx, mcache = backend.mtp(hp, tp, mcache, pending_at)
       drafts.append(int(jnp.argmax(mlog[0, m - 1])))
       h = mx[:, m - 1:m]
       pending_h, pending_t, pending_at = [], [], p
       for g in range(1, k):
-        mlog, h, mcache = backend.mtp(h, jnp.asarray([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
+        mlog, h, mcache = backend.mtp(h, put([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
         drafts.append(int(jnp.argmax(mlog[0, 0])))
     else:
       pending_t = pending_t + [tok]  # the last pending hidden's next token
-    verify = jnp.asarray([[tok] + drafts], jnp.int32)
+    verify = put([[tok] + drafts], jnp.int32)
     logits, xv, cache = backend.main(cache, verify, absorbed=True)
     a, nxt = accept(logits[0], drafts, picker, rng, emit)
     if backend.recorder is not None:  # the trace's step: which positions were drafts
@@ -268,7 +281,7 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
     st["emitted"] += a
     if on_round is not None:
       on_round(dict(position=p, tokens=[tok] + drafts, logits=np.asarray(logits[0]), accepted=a))
-    cache = KVCache(cache.layers, jnp.asarray(p + 1 + a, jnp.int32))  # roll back the rest
+    cache = KVCache(cache.layers, put(p + 1 + a, jnp.int32))  # roll back the rest
     st["draft_proposed"] += k
     st["draft_accepted"] += a
     st["verify_forwards"] += 1

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
 from glmjax.formats.safetensors_io import SafetensorsFile, write
-from glmjax.model.weights import (ArrayInfo, Weights, abstract, leaves_with_info, map_infos,
-                                   to_device)
+from glmjax.model.weights import (ArrayInfo, Weights, abstract, is_info, leaves_with_info,
+                                   map_infos, to_device)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -217,9 +217,14 @@ def assemble(info: ArrayInfo, ckpt: HFCheckpoint, cfg: Config, read=None,
   return np.stack([one({"e": e}) for e in range(cfg.n_routed_experts)])
 
 
-def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: bool = True
-            ) -> tuple[Config, Weights]:
-  """Loads an HF `glm_moe_dsa` checkpoint directory (bf16/fp16/fp32), tensor by tensor."""
+def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: bool = True,
+            mesh=None) -> tuple[Config, Weights]:
+  """Loads an HF `glm_moe_dsa` checkpoint directory (bf16/fp16/fp32), tensor by tensor.
+
+  With a `mesh`, every weight gets its sharding from the plan (`glmjax.sharding`) and each
+  process reads only what its devices hold: a routed-expert leaf only its local experts'
+  tensors; other leaves are read whole and sliced (they are small beside the experts).
+  """
   cfg = cfg or Config.from_json(path)
   ckpt = HFCheckpoint(path)
   tree = plan(ckpt, cfg, dtype)
@@ -242,7 +247,33 @@ def load_hf(path: str, cfg: Config | None = None, dtype=jnp.float32, progress: b
     bar.update()
     return to_device(arr, info.dtype)
 
-  weights = map_infos(load, tree)
+  def load_sharded(info: ArrayInfo, sharding):
+    read_once: dict = {}  # devices holding the same rows (replicas) share one read
+
+    def rows(key):
+      if key not in read_once:
+        if info.per_expert:
+          a = np.stack([assemble(info, ckpt, cfg, read, expert=e)
+                        for e in range(cfg.n_routed_experts)[slice(*key)]])
+        else:
+          a = assemble(info, ckpt, cfg, read)
+        read_once[key] = a.astype(np.dtype(info.dtype), copy=False)
+      return read_once[key]
+
+    def shard(index):  # the slice one addressable device holds
+      if info.per_expert:  # only this device's experts are read
+        return rows((index[0].start, index[0].stop))[(slice(None), *index[1:])]
+      return rows(None)[index]
+
+    out = jax.make_array_from_callback(info.shape, sharding, shard)
+    bar.update()
+    return out
+
+  if mesh is None:
+    weights = map_infos(load, tree)
+  else:
+    from glmjax.sharding import shardings
+    weights = jax.tree_util.tree_map(load_sharded, tree, shardings(tree, mesh), is_leaf=is_info)
   bar.close()
   return cfg, weights
 

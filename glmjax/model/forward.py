@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from glmjax.model.attention import LayerCache, attention
 from glmjax.model.config import Config
@@ -43,9 +44,12 @@ def bucket(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
-  """An empty cache for `batch` sequences of up to `capacity` positions."""
-  device = jax.devices()[0]  # committed, as every jit's output is: one compiled variant
+def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32,
+               sharding=None) -> KVCache:
+  """An empty cache for `batch` sequences of up to `capacity` positions, on the first device
+  or, on a mesh, with `sharding` (a `NamedSharding`)."""
+  # Committed, as every jit's output is: one compiled variant.
+  device = jax.devices()[0] if sharding is None else sharding
 
   def layer(i):
     z = lambda n: jnp.zeros((batch, capacity, n), dtype, device=device)
@@ -146,15 +150,50 @@ class ExpertProvider(Protocol):
     """
 
 
-def resident_experts(kernel: str = "auto") -> ExpertProvider:
+def resident_experts(kernel: str = "auto", mesh=None) -> ExpertProvider:
   """The provider for weights held in the pytree: float `Experts` (HF checkpoints) or a layer's
   quantized `ExpertPool` in slot = expert id order (a store that fits), computed inside the
-  caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform)."""
+  caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform). On a `mesh`
+  with an `expert` axis the experts are sharded along it and computed by `sharded_terms`."""
   def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
-    if isinstance(m.experts, ExpertPool):
-      return pool_terms(flat, m.experts, ids, valid_rows(x.shape, n_valid, jnp)[:, None], kernel)
-    return expert_outputs(flat, ids, m.experts)
+    active = valid_rows(x.shape, n_valid, jnp)[:, None]
+    if mesh is not None and "expert" in mesh.axis_names and mesh.shape["expert"] > 1:
+      return sharded_terms(flat, ids, active, m.experts, mesh, kernel)
+    return _terms(flat, ids, active, m.experts, kernel)
   return provide
+
+
+def _terms(flat, ids, active, experts, kernel):
+  """Unweighted terms `[T, K, D]` of experts held here (float, or a quantized pool)."""
+  if isinstance(experts, ExpertPool):
+    return pool_terms(flat, experts, ids, active, kernel)
+  return expert_outputs(flat, ids, experts)
+
+
+def sharded_terms(flat, ids, active, experts, mesh, kernel: str = "auto"):
+  """`_terms` with the experts' leading axis `[E, ...]` split over the mesh's `expert` axis.
+
+  Each device sees every token (`flat` `[T, D]` and `ids` `[T, K]` are replicated), computes
+  the pairs routed to its E/n local experts (the others are sent to local expert 0 and zeroed),
+  and one psum over `expert` sums the partial `[T, K, D]`. Every pair has exactly one owner, so
+  the sum adds a term to exact zeros: the term is unchanged, and the combine afterwards keeps
+  its fixed rank order. Any `tensor`/`data` axes see replicated experts and inputs here.
+  """
+  n_experts = jax.tree_util.tree_leaves(experts)[0].shape[0]
+  local_n = n_experts // mesh.shape["expert"]
+
+  def local(experts, flat, ids, active):
+    with jax.named_scope("local_experts"):
+      lo = jax.lax.axis_index("expert") * local_n
+      mine = (ids >= lo) & (ids < lo + local_n)  # [T, K]
+      ys = _terms(flat, jnp.where(mine, ids - lo, 0), active & mine, experts, kernel)
+      ys = jnp.where(mine[..., None], ys, 0.0)
+    with jax.named_scope("psum_experts"):
+      return jax.lax.psum(ys, "expert")
+
+  e_spec = jax.tree_util.tree_map(lambda _: P("expert"), experts)
+  return jax.shard_map(local, mesh=mesh, in_specs=(e_spec, P(), P(), P()), out_specs=P(),
+                       check_vma=False)(experts, flat, ids, active)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,28 +321,29 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache=None, start=None,
 # --- jitted entry points -------------------------------------------------------------------
 
 # `kernel` ("auto" | "cpu" | "xla" | "pallas") selects the backend for quantized experts; it is
-# static because it selects different code, not because it changes shapes.
+# static because it selects different code, not because it changes shapes. So is `mesh` (None,
+# or the Mesh the weights are sharded over, for the MoE block's shard_map).
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel"))
-def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh"))
+def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto", mesh=None):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache."""
-  return forward(w, tokens, cfg, experts=resident_experts(kernel))[0]
+  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts"))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts", "mesh"))
 def record_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto",
-              opts: RecordOptions = RecordOptions()):
+              opts: RecordOptions = RecordOptions(), mesh=None):
   """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept): per MoE
   layer (in order), `route_record`'s arrays stacked to `[L, B·S, ...]`."""
   records: list = []
-  forward(w, tokens, cfg, experts=recording(resident_experts(kernel), w, cfg, records, opts))
+  forward(w, tokens, cfg, experts=recording(resident_experts(kernel, mesh), w, cfg, records, opts))
   return stack_records(records)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record", "mesh"),
                    donate_argnames=("cache",))
 def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto",
-               record: RecordOptions | None = None):
+               record: RecordOptions | None = None, mesh=None):
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache.
 
   Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache advanced by
@@ -312,7 +352,7 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel:
   see them.
   """
   records: list = []
-  experts = resident_experts(kernel)
+  experts = resident_experts(kernel, mesh)
   if record is not None:
     experts = recording(experts, w, cfg, records, record)
   logits, x, cache = forward(w, tokens, cfg, cache, experts=experts, n_valid=n_valid)
@@ -321,14 +361,14 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel:
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record", "mesh"),
                    donate_argnames=("cache",))
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
-              absorbed: bool = True, record: RecordOptions | None = None):
+              absorbed: bool = True, record: RecordOptions | None = None, mesh=None):
   """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
   plus the routing records when `record` is given."""
   records: list = []
-  experts = resident_experts(kernel)
+  experts = resident_experts(kernel, mesh)
   if record is not None:
     experts = recording(experts, w, cfg, records, record)
   logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts)
@@ -336,8 +376,9 @@ def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "au
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel"), donate_argnames=("cache",))
-def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, kernel: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh"), donate_argnames=("cache",))
+def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, kernel: str = "auto",
+           mesh=None):
   """Cached MTP step(s) at positions start..: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
   return mtp_forward(w, h, next_tokens, cfg, cache, start, absorbed=h.shape[1] <= 4,
-                     experts=resident_experts(kernel))
+                     experts=resident_experts(kernel, mesh))

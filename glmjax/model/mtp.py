@@ -69,7 +69,9 @@ def mtp_logits(w: Weights, h, next_tokens, cfg: Config, positions=None, block: C
   return mtp_output_logits(w, m, x, cfg), x
 
 
-def init_mtp_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32) -> LayerCache:
-  """An empty latent cache for the MTP block's own attention."""
-  z = lambda n: jnp.zeros((batch, capacity, n), dtype)
+def init_mtp_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32,
+                   sharding=None) -> LayerCache:
+  """An empty latent cache for the MTP block's own attention (placed with `sharding`, a
+  `NamedSharding`, on a mesh)."""
+  z = lambda n: jnp.zeros((batch, capacity, n), dtype, device=sharding)
   return LayerCache(latent=z(cfg.kv_lora_rank), k_rope=z(cfg.qk_rope_head_dim), index_k=None)

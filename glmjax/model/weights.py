@@ -2,9 +2,11 @@
 
 `abstract(cfg)` returns a `Weights` tree whose leaves are `ArrayInfo` (shape, dtype, logical
 axes, HF tensor name, init). That single declaration drives random init (`init`), checkpoint
-loading (`glmjax.formats.checkpoint`), checkpoint writing and, later, sharding. Matrices keep the HF
-orientation `[out, in]`, so loading never transposes; gate and up projections are fused into one
-`[2F, D]` matrix (rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
+loading (`glmjax.formats.checkpoint`), checkpoint writing and the sharding plan
+(`glmjax.sharding`; "experts" is the routed experts' leading axis, "router" the router's expert
+scores, which every device keeps whole). Matrices keep the HF orientation `[out, in]`, so
+loading never transposes; gate and up projections are fused into one `[2F, D]` matrix
+(rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True) -> Weights:
       e, m = cfg.n_routed_experts, cfg.moe_intermediate_size
       ep = f"{p}.mlp.experts.{{e}}"
       ffn = MoE(
-          router=info((e, d), ("experts", "embed"), f"{p}.mlp.gate.weight", dt=f32),
-          bias=info((e,), ("experts",), f"{p}.mlp.gate.e_score_correction_bias", init="zeros",
+          router=info((e, d), ("router", "embed"), f"{p}.mlp.gate.weight", dt=f32),
+          bias=info((e,), ("router",), f"{p}.mlp.gate.e_score_correction_bias", init="zeros",
                     dt=f32),
           experts=Experts(
               gate_up=info((e, 2 * m, d), ("experts", "moe_mlp", "embed"),
