@@ -4,17 +4,26 @@
   python scripts/generate.py --chat
   python scripts/generate.py --prompt_ids=5,6,7 --max_new_tokens=32
   python scripts/generate.py --model=/nvme/glm5-int4 --host_cache_gb=64 --prompt "Hello"
+  python scripts/generate.py --mesh=expert:2,tensor:2 --prompt_ids=5,6,7 --json=out.json
+  python scripts/launch_local.py --processes=2 --devices_per_process=2 -- \
+      scripts/generate.py --prompt_ids=5,6,7
+
+With several processes (--coordinator, --num_processes, --process_id; glmjax.distributed) only
+process 0 prints and writes --json.
 
 Sampling flags left unset take the model's generation_config.json (greedy without one).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 from absl import app, flags, logging
 
 import glmjax
+from glmjax import distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
@@ -43,6 +52,9 @@ flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (de
                      "config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_string("trace", None, "Write a routing trace of this run to this directory "
                     "(glmjax.replay.Trace).")
+flags.DEFINE_string("json", None, "Write tokens, text, stats and mesh of the generation to this "
+                    "JSON file (process 0 only; not with --chat).")
+distributed.define_flags()
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
                     "or 'auto' (chosen from live throughput).")
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
@@ -147,6 +159,12 @@ def run(model) -> None:
   print("\n" + summary(result))
   if FLAGS.trace:
     print(f"trace: {FLAGS.trace}")
+  if FLAGS.json and distributed.is_main():
+    from glmjax import sharding
+    with open(FLAGS.json, "w", encoding="utf-8") as f:
+      json.dump(dict(tokens=[int(t) for t in result.tokens], text=result.text,
+                     stats=result.stats, stop_reason=result.stop_reason,
+                     mesh=sharding.describe(model.mesh)), f, indent=1)
 
 
 def main(argv):
@@ -157,10 +175,15 @@ def main(argv):
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
     parse_draft(FLAGS.draft)
+    if FLAGS.chat and FLAGS.json:
+      raise glmjax.InputError("--json records one generation; it does not go with --chat")
     if FLAGS.expert_compute != "device":
       options["expert_compute"] = FLAGS.expert_compute
-    with glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
-                     **options) as model:
+    distributed.initialize()
+    if not distributed.is_main():  # every process computes; process 0 alone speaks
+      sys.stdout = open(os.devnull, "w")
+    with glmjax.load(FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
+                     moe_kernel=FLAGS.moe_kernel, **options) as model:
       run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)

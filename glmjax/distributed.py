@@ -1,0 +1,62 @@
+"""Multi-process setup for the scripts: shared flags, `jax.distributed` init, the mesh.
+
+  python scripts/generate.py --mesh=expert:4 ...                    # one process, 4 devices
+  python scripts/launch_local.py --processes=2 --devices_per_process=2 -- \
+      scripts/generate.py --prompt_ids=5,6,7                        # 2 processes on loopback
+
+Every process runs the same program on the same inputs (JAX's multi-controller model); the
+collectives between processes are JAX's own (gloo on CPU). Only process 0 prints and writes.
+"""
+
+from __future__ import annotations
+
+import jax
+from absl import flags
+
+from glmjax import sharding
+from glmjax.errors import InputError
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines --coordinator, --num_processes, --process_id and --mesh (once per program)."""
+  if "num_processes" in FLAGS:
+    return
+  flags.DEFINE_string("coordinator", None, "host:port of process 0's coordinator (multi-process "
+                      "runs; scripts/launch_local.py sets it).")
+  flags.DEFINE_integer("num_processes", 1, "Processes in the run.", lower_bound=1)
+  flags.DEFINE_integer("process_id", 0, "This process's index, 0..num_processes-1.", lower_bound=0)
+  flags.DEFINE_string("mesh", None, "Device mesh as axis:size pairs over every global device, "
+                      "axes from expert, tensor, data (e.g. expert:4 or expert:2,tensor:2). "
+                      "Default: one device, or with several processes every device on expert.")
+
+
+def initialize() -> None:
+  """`jax.distributed.initialize` from the flags when more than one process runs (call before
+  anything touches a JAX device)."""
+  if FLAGS.num_processes == 1:
+    return
+  if not FLAGS.coordinator:
+    raise InputError("--num_processes > 1 needs --coordinator=host:port")
+  if FLAGS.process_id >= FLAGS.num_processes:
+    raise InputError(f"--process_id={FLAGS.process_id} must be below --num_processes="
+                     f"{FLAGS.num_processes}")
+  # Cross-process collectives on CPU devices (the loopback tests, CPU-only hosts).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+
+
+def mesh_from_flags():
+  """The Mesh --mesh asks for; without it None on one process, else every global device on
+  `expert`."""
+  if FLAGS.mesh:
+    return sharding.make_mesh(sharding.parse(FLAGS.mesh))
+  if jax.process_count() > 1:
+    return sharding.make_mesh({"expert": jax.device_count()})
+  return None
+
+
+def is_main() -> bool:
+  """Whether this process prints and writes files (process 0)."""
+  return jax.process_index() == 0
