@@ -580,6 +580,10 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
   from glmjax.offload.engine import OffloadEngine
   from glmjax.model.weights import nbytes
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
+  if mesh is not None:
+    from glmjax import sharding
+    sharding.check_mesh(mesh, cfg)
+    dense = sharding.place_dense(dense, cfg, mesh)
   experts = store.ExpertStore(path)
   moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
   if opts.expert_budget is not None and opts.expert_budget < cfg.num_experts_per_tok:
@@ -594,6 +598,6 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
                          kernel=opts.moe_kernel, expert_compute=opts.expert_compute,
                          prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
                          cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
-                                      else None), expert_budget=opts.expert_budget)
+                                      else None), expert_budget=opts.expert_budget, mesh=mesh)
   weights = engine.resident_weights() if engine.all_resident else dense
-  return Model(cfg, weights, opts, path, engine)
+  return Model(cfg, weights, opts, path, engine, mesh=mesh)

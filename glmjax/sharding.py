@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glmjax.errors import InputError
 from glmjax.model.config import Config
-from glmjax.model.weights import ArrayInfo, Weights, map_infos
+from glmjax.model.weights import ArrayInfo, MoE, Weights, abstract, is_info, map_infos
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -73,6 +73,21 @@ def shardings(tree: Weights, mesh: Mesh) -> Weights:
   def one(info: ArrayInfo):
     return NamedSharding(mesh, spec(info.axes, info.shape, mesh, ", ".join(info.hf_names)))
   return map_infos(one, tree)
+
+
+def place_dense(dense: Weights, cfg: Config, mesh: Mesh) -> Weights:
+  """A store's dense weights (routed experts None; `glmjax.formats.store.load_dense`) moved
+  onto `mesh` by the plan."""
+  tree = abstract(cfg, with_mtp=bool(dense.mtp))
+  for lw in tree.layers + [m.layer for m in tree.mtp]:
+    if isinstance(lw.mlp, MoE):
+      lw.mlp.experts = None
+  for m, d in zip(tree.mtp, dense.mtp):
+    m.head = None if d.head is None else tree.embed
+  return jax.tree_util.tree_map(
+      lambda info, a: put(a, NamedSharding(mesh, spec(info.axes, info.shape, mesh,
+                                                      ", ".join(info.hf_names)))),
+      tree, dense, is_leaf=is_info)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

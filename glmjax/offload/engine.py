@@ -36,6 +36,9 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from glmjax.errors import InputError
 
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
@@ -49,6 +52,7 @@ from glmjax.offload.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_p
 from glmjax.offload.tiers import (DevicePool, Heat, HostCache, HostSlabs, as_device_pool,
                                   atomic_write, cpu_device, empty_pool, gather_slot,
                                   lfru_admissions)
+from glmjax.sharding import axis_size
 from pallas_kernels import cpu
 
 USAGE_FILE = "usage.json"
@@ -177,7 +181,7 @@ class OffloadEngine:
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
                progress: bool = True, kernel: str = "auto", prefetch: bool = True,
                pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None,
-               expert_compute: str = "device", expert_budget: int | None = None):
+               expert_compute: str = "device", expert_budget: int | None = None, mesh=None):
     if expert_compute not in PLACEMENTS:
       raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
@@ -192,9 +196,18 @@ class OffloadEngine:
     self.layout = store.layout(self.moe_layers[0])
     self.chunk_bytes = self.layout.nbytes
     e = cfg.n_routed_experts
-    slots = min(e, budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers)))
-    self.slots = int(slots)
+    # On a mesh each device of the expert axis has the budget, for its own experts only.
+    self.mesh, n_dev = mesh, axis_size(mesh, "expert")
+    slots = n_dev * (budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers)))
+    self.slots = int(min(e, slots))
     self.all_resident = self.slots == e
+    if mesh is not None and not self.all_resident:
+      need = self.chunk_bytes * len(self.moe_layers) * (e // n_dev) / 1e6
+      raise InputError(
+          f"{store.path}: on a mesh an expert store runs with every expert resident, each "
+          f"device holding its own {e // n_dev} per layer ({need:.1f} MB); the device budget "
+          f"allows {self.slots} of {e} per layer. Raise device_cache_gb, or run without a "
+          "mesh for the tiered (partly resident) engine")
     self.host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
     self.slabs = HostSlabs(store.layout, self._max_host_slots, n_layers, e)  # slot-addressed
@@ -250,8 +263,8 @@ class OffloadEngine:
       mtp = [self.cfg.num_hidden_layers] if self.dense.mtp else []
       for layer in tqdm(self.moe_layers + mtp, desc="loading experts", disable=not progress,
                         leave=False):
-        pool = DevicePool(layer, self.slots, jax.tree_util.tree_map(
-            jnp.asarray, self.store.read_layer(layer)))
+        pool = DevicePool(layer, self.slots, self._sharded_layer(layer) if self.mesh else
+                          jax.tree_util.tree_map(jnp.asarray, self.store.read_layer(layer)))
         pool.slot_of = {x: x for x in range(self.slots)}
         pool.expert_in = list(range(self.slots))
         self.device[layer] = pool
@@ -271,6 +284,33 @@ class OffloadEngine:
       for (layer, e, slot), blob in self.reader.as_completed(futures):
         self.device[layer].install(e, self.layout.unpack(blob), slot)
         bar.update()
+
+  def _sharded_layer(self, layer: int) -> ExpertPool:
+    """Every expert of `layer` as a pool in slot = expert id order, split along the mesh's
+    `expert` axis: each process reads only the chunks of its own devices' experts."""
+    layout, store = self.store.layout(layer), self.store
+    proto = layout.unpack(np.zeros((1, layout.nbytes), np.uint8))
+    proto_leaves, treedef = jax.tree_util.tree_flatten(ExpertPool(proto.gate_up, proto.down))
+    read: dict = {}  # (first, end) expert → the unpacked leaves of those experts
+
+    def leaves(lo, hi):
+      if (lo, hi) not in read:
+        blobs = np.stack([store.read_chunk(layer, e) for e in range(lo, hi)])
+        w = layout.unpack(blobs)
+        read[(lo, hi)] = jax.tree_util.tree_leaves(ExpertPool(w.gate_up, w.down))
+      return read[(lo, hi)]
+
+    def make(i, leaf):
+      spec = P("expert", *[None] * (leaf.ndim - 1))
+      rows = range(self.cfg.n_routed_experts)
+
+      def shard(index):
+        r = rows[index[0]]
+        return leaves(r.start, r.stop)[i][(slice(None), *index[1:])]
+      return jax.make_array_from_callback((len(rows), *leaf.shape[1:]),
+                                          NamedSharding(self.mesh, spec), shard)
+
+    return jax.tree_util.tree_unflatten(treedef, [make(i, l) for i, l in enumerate(proto_leaves)])
 
   def resident_weights(self) -> Weights:
     """With every expert resident: the dense weights with each MoE layer's pool as its experts,
