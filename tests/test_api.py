@@ -1,5 +1,6 @@
 """The public API on the embedded default model, and scripts/generate.py end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -81,13 +82,17 @@ def _run(*args):
                         capture_output=True, text=True, timeout=300, env=os.environ.copy())
 
 
-def test_generate_script(model):
-  r = _run("--prompt_ids=5,6,7,8", "--max_new_tokens=5", "--temperature=0")
+def test_generate_script(model, tmp_path):
+  out = tmp_path / "gen.json"
+  r = _run("--prompt_ids=5,6,7,8", "--max_new_tokens=5", "--temperature=0", f"--json={out}")
   assert r.returncode == 0, r.stderr
   lines = r.stdout.strip().splitlines()
   want = model.generate([5, 6, 7, 8], 5).tokens
   assert lines[-2].split() == [str(t) for t in want]
   assert "tok/s" in lines[-1] and lines[-1].startswith(f"{len(want)} tokens")
+  got = json.loads(out.read_text())  # --json: one process, no mesh
+  assert got["tokens"] == want and got["mesh"] is None and isinstance(got["text"], str)
+  assert got["stats"]["new_tokens"] == len(want) and got["stop_reason"] == "max_new_tokens"
 
 
 def test_generate_script_bad_input_is_clean():
@@ -96,3 +101,7 @@ def test_generate_script_bad_input_is_clean():
   assert "error: --prompt_ids" in r.stderr and "Traceback" not in r.stderr
   r = _run("--model=/does/not/exist")
   assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
+  r = _run("--mesh=experts:2")
+  assert r.returncode == 1 and "unknown" in r.stderr and "Traceback" not in r.stderr
+  r = _run("--mesh=expert:3")  # one CPU device here
+  assert r.returncode == 1 and "needs 3 devices" in r.stderr and "Traceback" not in r.stderr

@@ -157,3 +157,14 @@ def test_two_processes_on_loopback(runs, tmp_path):
   assert got["mesh"] == {"expert": 4}
   assert got["stats"]["new_tokens"] == 6 and isinstance(got["text"], str)
   assert r.stdout.count("prompt: [5, 6, 7]") == 1  # only process 0 prints
+
+
+def test_mesh_flag_parsing():
+  from glmjax import sharding
+  from glmjax.errors import InputError
+  assert sharding.parse("expert:2,tensor:2") == {"expert": 2, "tensor": 2}
+  assert sharding.parse("data:1") == {"data": 1}
+  for bad, why in (("expert", "axis:size"), ("expert:0", "axis:size"), ("gpu:2", "unknown"),
+                   ("expert:2,expert:2", "twice"), ("", "empty")):
+    with pytest.raises(InputError, match=why):
+      sharding.parse(bad)
