@@ -99,13 +99,18 @@ class Model:
   def _max_context(self) -> int:
     return self.options.max_context or self.config.max_position_embeddings
 
-  def _put(self, x, dtype=None) -> jax.Array:
+  def _put(self, x, dtype=None, batch: bool = False) -> jax.Array:
     """A host input (ids, lengths) as a device array: `jnp.asarray` on one device; on a mesh
-    replicated over it, built from each process's own copy (all processes pass the same)."""
+    built from each process's own copy (all processes pass the same), replicated, or with
+    `batch` its leading axis split along `data` when that axis divides it."""
     if self.mesh is None:
       return jnp.asarray(x, dtype)
     from glmjax import sharding
-    return sharding.put(np.asarray(x, dtype), sharding.replicated(self.mesh))
+    x = np.asarray(x, dtype)
+    n = sharding.axis_size(self.mesh, "data")
+    split = batch and n > 1 and x.shape[0] % n == 0
+    return sharding.put(x, sharding.batch_split(self.mesh) if split else
+                        sharding.replicated(self.mesh))
 
   def _new_cache(self, capacity: int) -> KVCache:
     """An empty batch-1 cache: on the first device, or replicated over the mesh."""
@@ -202,8 +207,12 @@ class Model:
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
     if self.offloaded:
       return np.asarray(self.engine.forward(arr)[0], np.float32)
-    return np.asarray(score_fn(self.weights, self._put(arr), cfg=self.config,
-                               kernel=self.options.moe_kernel, mesh=self.mesh), np.float32)
+    logits = score_fn(self.weights, self._put(arr, batch=True), cfg=self.config,
+                      kernel=self.options.moe_kernel, mesh=self.mesh)
+    if self.mesh is not None:  # every process gets every row (a data-split batch is gathered)
+      from glmjax import sharding
+      logits = sharding.gather(logits, self.mesh)
+    return np.asarray(logits, np.float32)
 
   def generate(self, prompt_tokens: Sequence[int] | str, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

@@ -94,6 +94,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def batch_split(mesh: Mesh) -> NamedSharding:
+  """Inputs `[B, ...]` with the batch along `data` (the `batch` rule)."""
+  return NamedSharding(mesh, P(dict(RULES)["batch"]))
+
+
+def gather(x: jax.Array, mesh: Mesh) -> jax.Array:
+  """`x` replicated on every device of `mesh` (a jitted identity: works across processes)."""
+  return jax.jit(lambda a: a, out_shardings=replicated(mesh))(x)
+
+
 def put(x, sharding: NamedSharding) -> jax.Array:
   """A host value (identical on every process) as a global array with `sharding`: each process
   builds only its addressable shards, so this works across processes too."""
