@@ -192,8 +192,8 @@ def sharded_terms(flat, ids, active, experts, mesh, kernel: str = "auto"):
       return jax.lax.psum(ys, "expert")
 
   e_spec = jax.tree_util.tree_map(lambda _: P("expert"), experts)
-  return jax.shard_map(local, mesh=mesh, in_specs=(e_spec, P(), P(), P()), out_specs=P(),
-                       check_vma=False)(experts, flat, ids, active)
+  return jax.shard_map(local, mesh=mesh, in_specs=(e_spec, P(), P(), P()),
+                       out_specs=P())(experts, flat, ids, active)
 
 
 @dataclasses.dataclass(frozen=True)
