@@ -690,12 +690,13 @@ class OffloadEngine:
         "host": self._tables[2],
     }
     pilot_k = min(self.pilot_k, self.cfg.n_routed_experts) if self._predicting else 0
-    nv = None if n_valid is None else np.int32(n_valid)
+    nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers)
     static = dict(cfg=self.cfg, absorbed=absorbed, pilot_k=pilot_k)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
-    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape, nv is None,
+    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape,
+           None if nv is None else nv.shape,
            slab is None, absorbed, pilot_k)
     if key not in self._fused_compiled:  # compiled ahead, so its time is accounted apart
       t0 = time.perf_counter()
