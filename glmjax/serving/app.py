@@ -49,6 +49,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   if model.tokenizer is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
   scheduler = Scheduler(model, max_batch, max_queue)
+  gen = sampling.SamplingParams.from_generation_config(model.tokenizer.generation_config or {})
+  defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 
   async def body_of(request: Request) -> dict:
     raw = await request.body()
@@ -80,7 +82,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       protocol.check_model(body, name)
       stream = protocol.stream_flag(body)
       ids = encode(kind, body)
-      settings = protocol.sampling(body, len(ids), scheduler.context, DEFAULT_MAX_TOKENS[kind])
+      settings = protocol.sampling(body, len(ids), scheduler.context, DEFAULT_MAX_TOKENS[kind],
+                                   defaults)
       try:  # the sampler's own checks, before the request takes a place in the queue
         sampling.SamplingParams(settings["temperature"], 0, settings["top_p"], 0.0, 1.0)
       except GlmjaxError as e:

@@ -59,9 +59,12 @@ def _stops(body: dict) -> list[str]:
   return v
 
 
-def sampling(body: dict, n_prompt: int, context: int, default_max: int) -> dict:
+def sampling(body: dict, n_prompt: int, context: int, default_max: int,
+             defaults: dict | None = None) -> dict:
   """The checked sampling settings of a request (Model._request keywords) for a prompt of
-  `n_prompt` tokens in a `context`-token window."""
+  `n_prompt` tokens in a `context`-token window; unset temperature and top_p take `defaults`
+  (the model's generation_config; OpenAI's 1.0 without)."""
+  defaults = defaults or {}
   if n_prompt >= context:
     raise ApiError(400, f"the prompt is {n_prompt} tokens; this model's context is {context} "
                    "tokens and must hold at least one generated token", "messages"
@@ -82,8 +85,9 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int) -> dict:
     raise ApiError(400, f"only n=1 is supported, got {n}", "n", "invalid_value")
   seed = _int(body, "seed", 0)
   return dict(max_new_tokens=max_tokens,
-              temperature=_number(body, "temperature", 1.0, *_TEMPERATURE),
-              top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+              temperature=_number(body, "temperature", defaults.get("temperature", 1.0),
+                                  *_TEMPERATURE),
+              top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
               seed=seed, stop=_stops(body))
 
 
