@@ -148,10 +148,9 @@ async def _events(job: Job, reply: protocol.Reply, request: Request):
   try:
     while True:
       kind, value = await job.queue.get()
-      if kind == "text":
-        if value:
-          yield _sse(reply.chunk(value, first))
-          first = False
+      if kind == "start" or (kind == "text" and value):
+        yield _sse(reply.chunk(value, first))
+        first = False
       elif kind == "done":
         yield _sse(reply.chunk(None, first, value))
         break

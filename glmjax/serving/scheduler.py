@@ -3,7 +3,7 @@
 Requests wait in a bounded queue; between decode steps the thread drops cancelled requests,
 admits waiting ones into free rows (each prefilled alone) and runs one step of the batch.
 Results go back to the web server's event loop as events on each job's asyncio queue:
-("text", piece) while decoding, then ("done", summary) or ("error", GlmjaxError).
+("start", None) when admitted, ("text", piece) while decoding, then ("done", summary) or ("error", GlmjaxError).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Scheduler:
     self._cond = threading.Condition()
     self._stop = False
     self._held = False
-    self.counts = collections.Counter()  # submitted, completed, cancelled, failed, steps
+    self.counts = dict.fromkeys(("submitted", "completed", "cancelled", "failed", "steps"), 0)
     self.peak_live = 0
     self._thread = threading.Thread(target=self._run, name="glmjax-scheduler", daemon=True)
     self._thread.start()
@@ -105,7 +105,9 @@ class Scheduler:
   def state(self) -> dict:
     """Live rows, waiting requests and counters (the /health payload)."""
     with self._cond:
+      jobs = list(self._jobs.values())
       out = dict(live=self.batch.live, waiting=len(self._waiting), max_batch=self.batch.width,
+                 cancelling=sum(j.cancelled for j in jobs),
                  max_queue=self.max_queue, peak_live=self.peak_live, **self.counts)
     if self.model.engine is not None:
       tel = self.model.engine.telemetry()
@@ -113,8 +115,9 @@ class Scheduler:
     return out
 
   def hold(self, held: bool) -> None:
-    """Holds the scheduler at its next step boundary (True) or lets it go on: requests still
-    queue meanwhile (maintenance, and tests of a full queue that must not race the decoder)."""
+    """Pauses decoding at the next step boundary (True) or resumes it. While held, requests
+    still queue and are admitted (prefilled) into free rows, but no row advances: for
+    maintenance, and for tests of a full queue or a disconnect that must not race the decoder."""
     with self._cond:
       self._held = held
       self._cond.notify()
@@ -129,7 +132,8 @@ class Scheduler:
   def _run(self) -> None:
     while True:
       with self._cond:
-        while not self._stop and (self._held or (not self._waiting and not self.batch.live)):
+        while not self._stop and not (self._waiting and self.batch.free()) and (
+            self._held or not self.batch.live):
           self._cond.wait()
         if self._stop:
           return
@@ -151,7 +155,7 @@ class Scheduler:
           break
         job = self._waiting.popleft()
       self._admit(job)
-    if not self.batch.live:
+    if not self.batch.live or self._held:
       return
     self.peak_live = max(self.peak_live, self.batch.live)
     before = self._telemetry()
@@ -165,6 +169,7 @@ class Scheduler:
     if job.cancelled:
       self.counts["cancelled"] += 1
       return
+    job.push("start", None)  # streams open with a chunk before the first token
     try:
       job.req = self.model._request(job.prompt_ids, on_text=lambda p: job.push("text", p),
                                     **job.settings)
