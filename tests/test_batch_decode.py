@@ -7,7 +7,7 @@ import pytest
 import glmjax
 from glmjax.serving.batch import BatchDecoder
 
-PROMPTS = ["def ", "The quick brown fox jumps", "import numpy as np\n", "class A:\n  x = 1\n"]
+PROMPTS = ["def ", "The quick brown", "import numpy as np\n", "x = "]  # 2, 7, 8, 3 tokens
 N = 8
 
 

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from glmjax.decoding import sampling
-from glmjax.errors import GlmjaxError
+from glmjax.errors import GlmjaxError, InputError
 from glmjax.serving import protocol
 from glmjax.serving.protocol import ApiError
 from glmjax.serving.scheduler import Job, QueueFull, Scheduler
@@ -104,7 +104,7 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
         if kind_ == "done":
           return JSONResponse(reply.whole(value))
         if kind_ == "error":
-          return _error(ApiError(400, str(value)))
+          return _error(_failure(value))
     finally:
       job.cancel()  # a no-op once done; frees the row if the client went away
 
@@ -137,6 +137,13 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   return app
 
 
+def _failure(e: Exception) -> ApiError:
+  """A job's failure: the request's fault (InputError) is a 400, anything else the server's."""
+  if isinstance(e, InputError):
+    return ApiError(400, str(e))
+  return ApiError(500, str(e), None, "internal_error", "server_error")
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
@@ -155,7 +162,7 @@ async def _events(job: Job, reply: protocol.Reply, request: Request):
         yield _sse(reply.chunk(None, first, value))
         break
       else:
-        yield _sse(ApiError(400, str(value)).body)
+        yield _sse(_failure(value).body)
         break
     yield "data: [DONE]\n\n"
   finally:

@@ -176,9 +176,12 @@ class Scheduler:
       before = self._telemetry()
       finished = self.batch.admit(job.prompt_ids, job.req, tag=job)
       self._share(before, [job])
-    except GlmjaxError as e:
+    except Exception as e:
       self.counts["failed"] += 1
-      job.push("error", e)
+      job.push("error", e if isinstance(e, GlmjaxError) else
+               GlmjaxError(f"internal error during prefill: {e}"))
+      if not isinstance(e, GlmjaxError):
+        raise  # the batch may be unusable: _run starts it over
       return
     job.t_first = time.perf_counter()
     if finished:
