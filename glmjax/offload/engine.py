@@ -717,7 +717,14 @@ class OffloadEngine:
       union = np.unique(ids[valid]).tolist()
       pinned, cached, futures = self._account(layer, union, valid, None,
                                               None if pilot is None else pilot[valid])
-      assert not futures  # every expert was found in a tier
+      if futures:
+        # Held when the step ran, evicted since by this step's own bookkeeping (a prefetch
+        # landing in a small host cache): read back as a miss, as the tiered path would.
+        protect = {(layer, e) for e in union}
+        for (_, e), blob in self.reader.as_completed(futures):
+          self.stats["expert_bytes_read"] += blob.nbytes
+          self._put_host((layer, e), blob, protect)
+        self.slabs.flush()
       self.stats["experts_on_device"] += len(pinned)
       on_device = self._place(len(cached))
       self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached)
