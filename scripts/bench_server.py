@@ -45,6 +45,8 @@ flags.DEFINE_integer("max_context", 256, "In-process server: context (batch cach
                      lower_bound=16)
 flags.DEFINE_float("device_cache_gb", None, "In-process server: device expert budget (store).")
 flags.DEFINE_float("host_cache_gb", None, "In-process server: host expert budget (store).")
+flags.DEFINE_bool("prefetch", None, "In-process server: prefetch predicted experts (store; "
+                  "default on).")
 flags.DEFINE_string("json", None, "Also write the JSON report here.")
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n", "The quick brown fox",
@@ -133,7 +135,7 @@ def _start_server():
   import uvicorn
   import glmjax
   from glmjax.serving.app import create_app
-  opts = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb")
+  opts = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb", "prefetch")
           if getattr(FLAGS, k) is not None}
   model = glmjax.load(FLAGS.model, progress=False, max_context=FLAGS.max_context, **opts)
   server_app = create_app(model, FLAGS.max_batch, FLAGS.max_queue)

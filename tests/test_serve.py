@@ -27,7 +27,7 @@ from glmjax.serving.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 12  # tokens per request: short prompts + N stay in one 16-position prefill cache
-PROMPTS = ["def ", "The quick brown", "import os\n", "x = "]
+PROMPTS = ["def ", "for i in", "import os\n", "x = "]  # ≤ 4 tokens each
 
 
 def _free_port() -> int:
