@@ -105,6 +105,8 @@ class BatchDecoder:
                        f"context {self.capacity}")
     # The capacity Model.generate gives the same request: the same prefill, bit for bit.
     cap = _bucket(max(_bucket(n), n + req.max_new_tokens))
+    if cap > self.capacity:  # the row's prefix holds it: it must fit
+      raise InputError(f"request cache {cap} exceeds the batch context {self.capacity}")
     one = init_cache(model.config, 1, cap)
     toks = _padded(prompt_ids, 0, cap)
     prefill, _ = model._steps(one, toks)
@@ -114,8 +116,6 @@ class BatchDecoder:
       req.finish()
       return True
     row = self.rows.index(None)
-    if cap > self.capacity:  # a prefix of the row is all a short request needs
-      raise InputError(f"request cache {cap} exceeds the batch context {self.capacity}")
     self.cache = _insert(self.cache, one, jnp.asarray(row, jnp.int32))
     self.rows[row] = Row(req, tok, n, tag)
     return False
