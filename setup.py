@@ -28,6 +28,8 @@ setup(
         "optax>=0.2",
         "numba>=0.60",
         "matplotlib>=3.8",
+        "starlette>=0.40",  # the OpenAI-compatible server (glmjax.serving) and its ASGI server
+        "uvicorn>=0.30",
     ],
     extras_require={
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a
@@ -35,8 +37,8 @@ setup(
         # pytest-xdist: the suite runs on two workers, a file per worker (module fixtures stay
         # built once). nbclient + ipykernel execute notebooks/quickstart.ipynb in a kernel;
         # matplotlib draws its inline plot (also a runtime dependency, listed so the notebook
-        # test's needs stand together).
+        # test's needs stand together). openai: the official client the server is tested with.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0",
-                 "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8"],
+                 "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8", "openai>=1.40"],
     },
 )

@@ -40,8 +40,13 @@ class Keys:
 
 
 def _write(buf, new, start):
-  """Writes `new` [B, S, X] into `buf` [B, T, X] at sequence offset `start`."""
-  return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, start, 0))
+  """Writes `new` [B, S, X] into `buf` [B, T, X] at sequence offset `start` (int32 `[]`, or
+  `[B]`: one offset per row, for batched decoding of sequences at different lengths)."""
+  new = new.astype(buf.dtype)
+  if jnp.ndim(start) == 1:
+    put = lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0))  # [T, X] ← [S, X] at s
+    return jax.vmap(put)(buf, new, start)
+  return jax.lax.dynamic_update_slice(buf, new, (0, start, 0))
 
 
 def indexer_select(ix: Indexer, x, q_lat, keys: Keys, visible, cfg: Config, cos, sin):
@@ -83,7 +88,8 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
 
   Args:
     x: `[B, S, D]` input-normed hidden states.
-    positions: `[S]` absolute positions of the queries.
+    positions: `[S]` absolute positions of the queries, or `[B, S]` (one row per sequence, each
+      at its own length: batched decoding); `start` is then `[B]`.
     cache: this layer's cache, written at `start` and attended over; None attends only to the
       S fresh tokens (a full teacher-forced forward).
     selection: the previous full indexer layer's selection, reused by "shared" layers.
@@ -95,8 +101,9 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
   b, s, _ = x.shape
   h, n, r, v, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                    cfg.v_head_dim, cfg.kv_lora_rank)
-  cos, sin = rope_angles(positions, r, cfg.rope_theta)  # [S, R/2]
-  cos, sin = cos[None], sin[None]  # [1, S, R/2]
+  cos, sin = rope_angles(positions, r, cfg.rope_theta)  # [S, R/2] or [B, S, R/2]
+  if positions.ndim == 1:
+    cos, sin = cos[None], sin[None]  # [1, S, R/2]
 
   with jax.named_scope("q_proj"):
     q_lat = rms_norm(linear(x, w.q_a), w.q_a_norm, LATENT_NORM_EPS)  # [B, S, Q]
@@ -121,7 +128,8 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     keys = Keys(cache.latent.astype(F32), cache.k_rope.astype(F32),
                 cache.index_k, jnp.arange(t, dtype=positions.dtype))
 
-  visible = keys.positions[None, None, :] <= positions[None, :, None]  # [1, S, T]
+  rows = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
+  visible = keys.positions[None, None, :] <= rows[:, :, None]  # [B|1, S, T]
   if w.indexer is not None:
     with jax.named_scope("indexer"):
       selection = indexer_select(w.indexer, x, q_lat, keys, visible, cfg, cos, sin)

@@ -34,7 +34,8 @@ from glmjax.model.weights import MoE, Weights
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Per-layer latent caches plus the number of positions written (`length`, int32 [])."""
+  """Per-layer latent caches plus the number of positions written: `length` int32 `[]` (every
+  row alike), or `[B]` (batched decoding: each row a sequence of its own length)."""
   layers: Any  # list[LayerCache]
   length: Any
 
@@ -71,7 +72,9 @@ def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: 
   step's tokens are routed within its `expert_cap` most chosen experts (`route_capped`;
   `route_stats` then counts the swaps).
   """
-  positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)  # [S]
+  steps = jnp.arange(x.shape[1], dtype=jnp.int32)
+  # [S]; per-row starts `[B]` (batched decoding) give per-row positions [B, S]
+  positions = start[:, None] + steps if jnp.ndim(start) == 1 else start + steps
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
@@ -270,10 +273,13 @@ def _layer(i: int, lw, x, start, n_valid, cfg: Config, cache, selection, absorbe
 
 
 def valid_rows(shape, n_valid, xp=np):
-  """`[B·S]` bool for a `[B, S, ...]` batch: position < n_valid (all true without padding)."""
+  """`[B·S]` bool for a `[B, S, ...]` batch: position < n_valid (all true without padding).
+  `n_valid` is one count for every row, or `[B]` counts (a batch's empty rows count 0)."""
   b, s = shape[:2]
   if n_valid is None:
     return xp.ones((b * s,), bool)
+  if xp.ndim(n_valid) == 1:
+    return (xp.arange(s)[None, :] < xp.asarray(n_valid)[:, None]).reshape(-1)
   return xp.broadcast_to(xp.arange(s) < n_valid, (b, s)).reshape(-1)
 
 
@@ -364,14 +370,17 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel:
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record", "mesh"),
                    donate_argnames=("cache",))
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
-              absorbed: bool = True, record: RecordOptions | None = None, mesh=None):
+              absorbed: bool = True, record: RecordOptions | None = None, mesh=None,
+              n_valid=None):
   """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
-  plus the routing records when `record` is given."""
+  plus the routing records when `record` is given. Batched decoding passes a cache with
+  per-row `length` `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
   records: list = []
   experts = resident_experts(kernel, mesh)
   if record is not None:
     experts = recording(experts, w, cfg, records, record)
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts)
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts,
+                             n_valid=n_valid)
   out = logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
   return out + (stack_records(records),) if record is not None else out
 

@@ -730,12 +730,13 @@ class OffloadEngine:
         "host": self._tables[2],
     }
     pilot_k = min(self.pilot_k, self.cfg.n_routed_experts) if self._predicting else 0
-    nv = None if n_valid is None else np.int32(n_valid)
+    nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers)
     static = dict(cfg=self.cfg, absorbed=absorbed, pilot_k=pilot_k)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
-    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape, nv is None,
+    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape,
+           None if nv is None else nv.shape,
            slab is None, absorbed, pilot_k)
     if key not in self._fused_compiled:  # compiled ahead, so its time is accounted apart
       t0 = time.perf_counter()
@@ -756,7 +757,14 @@ class OffloadEngine:
       union = np.unique(ids[valid]).tolist()
       pinned, cached, futures = self._account(layer, union, valid, None,
                                               None if pilot is None else pilot[valid])
-      assert not futures  # every expert was found in a tier
+      if futures:
+        # Held when the step ran, evicted since by this step's own bookkeeping (a prefetch
+        # landing in a small host cache): read back as a miss, as the tiered path would.
+        protect = {(layer, e) for e in union}
+        for (_, e), blob in self.reader.as_completed(futures):
+          self.stats["expert_bytes_read"] += blob.nbytes
+          self._put_host((layer, e), blob, protect)
+        self.slabs.flush()
       self.stats["experts_on_device"] += len(pinned)
       on_device = self._place(len(cached))
       self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: batched decode, the continuous-batching scheduler, the app."""

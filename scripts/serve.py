@@ -1,0 +1,80 @@
+"""Serves a GLM-5 model over an OpenAI-compatible HTTP API, with continuous batching.
+
+  python scripts/serve.py                                  # the embedded model on 127.0.0.1:8000
+  python scripts/serve.py --model=/nvme/glm5-int4 --host_cache_gb=64 --max_batch=8
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
+GET /health. Requests decode together, up to --max_batch at a time; up to --max_queue more
+wait, and a request beyond that is answered 429. Unset temperature/top_p take the model's
+generation_config.json.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+import glmjax
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
+flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, printed).",
+                     lower_bound=0, upper_bound=65535)
+flags.DEFINE_string("served_name", None, "Model id clients name (default: the model "
+                    "directory's name).")
+flags.DEFINE_integer("max_batch", 4, "Requests decoded together (the batch's fixed width).",
+                     lower_bound=1)
+flags.DEFINE_integer("max_queue", 16, "Requests waiting for a batch row at most; more get 429.",
+                     lower_bound=0)
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "Dense weight dtype.")
+flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
+                  "Quantized expert kernel: cpu (numba), pallas, xla; auto by platform.")
+flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
+                  "Where host-cached and missed experts are computed (store only).")
+flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most per request "
+                     "(default: the config's max_position_embeddings); also the batch cache's "
+                     "length.", lower_bound=1)
+# Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
+flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
+flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic).")
+flags.DEFINE_integer("io_workers", None, "Expert read threads (default 4).", lower_bound=1)
+flags.DEFINE_float("io_timeout_s", None, "A read not done by then fails (default 60).")
+flags.DEFINE_bool("cold", None, "Drop the store from the OS page cache first.")
+flags.DEFINE_bool("prefetch", None, "Prefetch predicted experts (default on).")
+flags.DEFINE_integer("pilot_k", None, "Experts per position the pilot predicts (default 6).",
+                     lower_bound=0)
+flags.DEFINE_integer("couple_k", None, "Experts the co-activation table predicts (default 4).",
+                     lower_bound=0)
+
+LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
+              "cold", "prefetch", "pilot_k", "couple_k")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import uvicorn
+  from glmjax.serving.app import create_app
+  options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
+  if FLAGS.expert_compute != "device":
+    options["expert_compute"] = FLAGS.expert_compute
+  try:
+    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel, **options)
+    server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name)
+  except glmjax.GlmjaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"serving {server.state.model_name} ({model!r}) on http://{FLAGS.host}:{FLAGS.port}"
+        f"/v1, batch {FLAGS.max_batch}, queue {FLAGS.max_queue}", flush=True)
+  try:
+    uvicorn.run(server, host=FLAGS.host, port=FLAGS.port, log_level="warning")
+  finally:
+    server.state.scheduler.close()
+    model.close()
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

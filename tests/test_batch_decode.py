@@ -1,0 +1,59 @@
+"""Batched decoding (glmjax.serving.batch): rows at different lengths, joining and leaving at
+step boundaries, each give the tokens the request gives alone."""
+
+import numpy as np
+import pytest
+
+import glmjax
+from glmjax.serving.batch import BatchDecoder
+
+PROMPTS = ["def ", "The quick brown", "import numpy as np\n", "x = "]  # 2, 7, 8, 3 tokens
+N = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+  with glmjax.load(progress=False, max_context=64) as m:  # a short batch cache: fast steps
+    yield m
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+  return BatchDecoder(model, 3)  # narrower than PROMPTS: the fourth waits for a row
+
+
+def _ids(m, text):
+  return np.asarray(m.tokenizer.encode(text), np.int32)
+
+
+def test_rows_at_different_lengths_give_their_solo_tokens(model, batch):
+  solo = [model.generate(p, N).tokens for p in PROMPTS]
+  reqs = [model._request(_ids(model, p), N) for p in PROMPTS]
+  waiting = list(range(len(PROMPTS)))
+  joined_late = False
+  steps = 0
+  while waiting or batch.live:
+    # one joins per step boundary, so rows sit at different lengths
+    if waiting and batch.free():
+      i = waiting.pop(0)
+      joined_late |= batch.live > 0
+      assert not batch.admit(_ids(model, PROMPTS[i]), reqs[i], tag=i)
+    batch.step()
+    steps += 1
+    assert steps < 10 * N
+  assert joined_late
+  assert [r.out for r in reqs] == solo
+  # the rows really shared steps: fewer steps than the requests run one after the other
+  assert steps < len(PROMPTS) * (N - 1)
+
+
+def test_dropped_row_leaves_the_others_alone(model, batch):
+  solo = model.generate(PROMPTS[1], N).tokens
+  keep, gone = model._request(_ids(model, PROMPTS[1]), N), model._request(_ids(model, "x"), N)
+  batch.admit(_ids(model, "x"), gone, tag="gone")
+  batch.admit(_ids(model, PROMPTS[1]), keep, tag="keep")
+  batch.step()
+  assert batch.drop("gone") and batch.live == 1
+  while batch.live:
+    batch.step()
+  assert keep.out == solo
