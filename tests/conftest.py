@@ -1,8 +1,35 @@
-"""Suite-wide setup: a private model cache so the suite never touches ~/.cache."""
+"""Suite-wide setup: a private model cache so the suite never touches ~/.cache, and one XLA
+compilation cache per run shared by its workers and the scripts it starts."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+
+def pytest_configure(config):
+  """JAX's persistent compilation cache in a directory made for this run (empty at the start)
+  and shared, through the environment, by both xdist workers and every script the suite starts.
+  Dozens of subprocesses (README commands, scripts, the notebook) and several test files compile
+  the same embedded-model steps; compiled once each, the suite stays within its 10 minutes. The
+  executables are the same either way; a torn entry read by another worker is a cache miss (JAX
+  warns and compiles). The process that made the directory (xdist's controller, which starts
+  the workers after this hook) removes it at the end."""
+  if "GLMJAX_TEST_XLA_CACHE" not in os.environ:
+    os.environ["GLMJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="glmjax-test-xla-")
+    config.glmjax_owns_xla_cache = True
+  path = os.environ["GLMJAX_TEST_XLA_CACHE"]
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "glmjax_owns_xla_cache", False):
+    shutil.rmtree(os.environ.pop("GLMJAX_TEST_XLA_CACHE"), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
