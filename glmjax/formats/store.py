@@ -253,7 +253,7 @@ class ExpertStore:
     bytes, then crc32c; default chunk keys) are read this way; others go through tensorstore.
     """
     group, row = self.where[layer]
-    arr, layout = self.groups[group]
+    layout = self.groups[group][1]
     if group not in self._chunk_dirs:
       self._chunk_dirs[group] = _chunk_dir(self.path, self.manifest["experts"][group]["path"])
     root = self._chunk_dirs[group]
