@@ -21,6 +21,10 @@ identical whatever tier served an expert and in whatever order reads complete.
 
 With every expert resident the provider is one jitted kernel call per layer and the steps run
 back to back with no host round trip.
+
+On a mesh (one process) each device of the `expert` axis pins only experts it owns (`MeshPins`)
+and computes them under shard_map; everything else runs on the host as above, its terms then
+replicated onto the mesh. Host cache, I/O threads and bookkeeping are the process's.
 """
 
 from __future__ import annotations
@@ -36,14 +40,14 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glmjax.errors import InputError
 
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
 from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, forward, mtp_forward,
-                                  recording, valid_rows)
+                                  recording, sharded_terms, valid_rows)
 from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms, resolve_kernel
 from glmjax.model.quant import ExpertPool, ExpertWeights
@@ -52,7 +56,7 @@ from glmjax.offload.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_p
 from glmjax.offload.tiers import (DevicePool, Heat, HostCache, HostSlabs, as_device_pool,
                                   atomic_write, cpu_device, empty_pool, gather_slot,
                                   lfru_admissions)
-from glmjax.sharding import axis_size
+from glmjax.sharding import axis_size, put, replicated
 from pallas_kernels import cpu
 
 USAGE_FILE = "usage.json"
@@ -88,6 +92,11 @@ pool_terms_step = jax.jit(pool_terms, static_argnames=("kernel",))
 @jax.jit
 def merge_terms(active, a, b):
   return jnp.where(active[..., None], a, b)
+
+
+# Pinned experts on a mesh: each device computes the pairs whose slot lies in its own block of
+# the assembled pool, one psum over `expert` (a term plus exact zeros: unchanged).
+sharded_pool_terms = jax.jit(sharded_terms, static_argnames=("mesh", "kernel"))
 
 
 def _tier_terms(flat, valid, ids, pool, table):
@@ -174,6 +183,52 @@ class _Step:
     return sorted(self.pairs)
 
 
+class MeshPins:
+  """One MoE layer's pin tier on a mesh: a DevicePool per device of the `expert` axis, each
+  holding only experts that device owns (expert e belongs to block e // (E/n), the plan's
+  contiguous split). The pools share one `[E]` table row (an expert's slot in its owner's pool).
+  The pinned terms run on the mesh over the pools assembled, without a copy, into one pool
+  `[n·S, ...]` split along `expert` (device d holds global slots d·S .. d·S+S-1)."""
+
+  def __init__(self, layer: int, slots: int, layout, mesh, n_experts: int, table: np.ndarray):
+    self.layer, self.slots, self.mesh = layer, slots, mesh
+    n = axis_size(mesh, "expert")
+    self.block = n_experts // n
+    ax = mesh.axis_names.index("expert")
+    self.shards = []
+    for d in range(n):  # the devices at expert index d hold pool d (replicated over other axes)
+      sub = Mesh(np.take(mesh.devices, [d], axis=ax), mesh.axis_names)
+      pool = jax.device_put(empty_pool(layout, slots), NamedSharding(sub, P()))
+      self.shards.append(DevicePool(layer, slots, pool, table))
+
+  def owner(self, e: int) -> int:
+    return e // self.block
+
+  def shard(self, e: int) -> DevicePool:
+    return self.shards[self.owner(e)]
+
+  def __contains__(self, e: int) -> bool:
+    return e in self.shard(e)
+
+  def global_slot(self, e: int) -> int:
+    return self.owner(e) * self.slots + self.shard(e).slot_of[e]
+
+  @property
+  def expert_in(self) -> list:
+    return [e for d in self.shards for e in d.expert_in]
+
+  def pool(self) -> ExpertPool:
+    """The shards' pools as one pool `[n·S, ...]` split along `expert` (no copy; rebuilt per
+    step, since an install donates a shard's buffers)."""
+    sharding = NamedSharding(self.mesh, P("expert"))
+
+    def whole(*leaves):
+      arrays = [s.data for leaf in leaves for s in leaf.addressable_shards]
+      return jax.make_array_from_single_device_arrays(
+          (len(leaves) * leaves[0].shape[0], *leaves[0].shape[1:]), sharding, arrays)
+    return jax.tree_util.tree_map(whole, *[d.pool for d in self.shards])
+
+
 class OffloadEngine:
   """Runs the model layer by layer over dense weights and a store's routed experts."""
 
@@ -196,18 +251,19 @@ class OffloadEngine:
     self.layout = store.layout(self.moe_layers[0])
     self.chunk_bytes = self.layout.nbytes
     e = cfg.n_routed_experts
-    # On a mesh each device of the expert axis has the budget, for its own experts only.
+    # On a mesh each device of the expert axis has the budget, for its own experts only: with
+    # every expert fitting they are all resident (`_sharded_layer`), otherwise each device pins
+    # up to `dev_slots` of the E/n experts it owns (`MeshPins`) and the rest run on the host.
     self.mesh, n_dev = mesh, axis_size(mesh, "expert")
-    slots = n_dev * (budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers)))
-    self.slots = int(min(e, slots))
+    per_dev = budgets.device_bytes // max(1, self.chunk_bytes * len(self.moe_layers))
+    self.dev_slots = int(min(e // n_dev, per_dev))
+    self.slots = int(min(e, n_dev * per_dev))
     self.all_resident = self.slots == e
-    if mesh is not None and not self.all_resident:
-      need = self.chunk_bytes * len(self.moe_layers) * (e // n_dev) / 1e6
+    if mesh is not None and not self.all_resident and jax.process_count() > 1:
       raise InputError(
-          f"{store.path}: on a mesh an expert store runs with every expert resident, each "
-          f"device holding its own {e // n_dev} per layer ({need:.1f} MB); the device budget "
-          f"allows {self.slots} of {e} per layer. Raise device_cache_gb, or run without a "
-          "mesh for the tiered (partly resident) engine")
+          f"{store.path}: the tiered (partly resident) engine on a mesh runs in one process for "
+          f"now; the device budget allows {self.slots} of {e} experts per layer. Raise "
+          "device_cache_gb so that every expert is resident, or run in one process")
     self.host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
     self.slabs = HostSlabs(store.layout, self._max_host_slots, n_layers, e)  # slot-addressed
@@ -243,7 +299,8 @@ class OffloadEngine:
     # The fused step (one jit per forward over the CPU-resident tiers) needs every expert in
     # CPU memory addressable by slot, and exact routing. It is tried when the tiers hold every
     # expert, or after a step that missed nothing: a cold cache does not pay for void attempts.
-    self.fused = (self.on_cpu and cache_route is None and not self.all_resident
+    # On a mesh the fused step is off (its pin pools are one-device): steps run layer by layer.
+    self.fused = (self.on_cpu and cache_route is None and not self.all_resident and mesh is None
                   and len({store.layout(l) for l in self.moe_layers}) == 1)
     self._fused_ready = False
     self._fused_compiled: dict = {}
@@ -272,7 +329,9 @@ class OffloadEngine:
     # Pin the hottest experts of past runs (the persisted usage histogram), read in parallel
     # through the I/O threads and installed as they land.
     futures = {}
-    for layer in self.moe_layers:
+    if self.mesh is not None:
+      self._fill_mesh_pins(futures)
+    for layer in self.moe_layers if self.mesh is None else ():
       # The table is a row view of pin_tables: installs keep the fused step's table current.
       self.device[layer] = DevicePool(layer, self.slots, empty_pool(self.layout, self.slots),
                                       self.pin_tables[layer])
@@ -282,8 +341,22 @@ class OffloadEngine:
     with tqdm(total=len(futures), desc="pinning experts", disable=not progress or not futures,
               leave=False) as bar:
       for (layer, e, slot), blob in self.reader.as_completed(futures):
-        self.device[layer].install(e, self.layout.unpack(blob), slot)
+        pins = self.device[layer]
+        (pins.shard(e) if self.mesh is not None else pins).install(e, self.layout.unpack(blob),
+                                                                   slot)
         bar.update()
+
+  def _fill_mesh_pins(self, futures: dict) -> None:
+    """On a mesh: each device's pool gets the hottest experts it owns, slots by heat rank."""
+    e, n = self.cfg.n_routed_experts, axis_size(self.mesh, "expert")
+    for layer in self.moe_layers:
+      pins = MeshPins(layer, self.dev_slots, self.layout, self.mesh, e, self.pin_tables[layer])
+      self.device[layer] = pins
+      ranked = self.heat.hottest(layer, e, e)
+      for d in range(n):
+        own = [x for x in ranked if pins.owner(x) == d][:self.dev_slots]
+        for slot, x in enumerate(own):
+          futures[self.reader.submit(layer, x)] = (layer, x, slot)
 
   def _sharded_layer(self, layer: int) -> ExpertPool:
     """Every expert of `layer` as a pool in slot = expert id order, split along the mesh's
@@ -376,6 +449,8 @@ class OffloadEngine:
       self.stats["expert_bytes_read"] += blob.nbytes
       self._put_host(key, blob, protect)
       dev = self.device.get(key[0])
+      if isinstance(dev, MeshPins):
+        dev = dev.shard(key[1])  # only its owner's pool may take it
       slot = dev.free_slot() if dev is not None else None
       if slot is not None:
         dev.install(key[1], self.store.layout(key[0]).unpack(blob), slot)
@@ -501,12 +576,16 @@ class OffloadEngine:
     layer, dev = step.layer, self.device.get(step.layer)
     layout = self.store.layout(layer)
     miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
-    on_device = self._place(len(cached) + len(futures))
+    # On a mesh whatever is not pinned runs on the host (the CPU kernel), never uploaded.
+    on_device = self.mesh is None and self._place(len(cached) + len(futures))
     # A CPU-only machine has no bus to cross: "device" placement computes where the bytes are,
     # with the same kernel (it is still counted as device placement).
     upload = on_device and not self.on_cpu
     parts = []  # (active [T, K], terms), merged over the misses' terms
-    if pinned:  # the device kernel over the pin pool (on a CPU-only machine: the CPU kernel)
+    on_mesh = None  # the pinned (active, terms) on a mesh, merged last
+    if pinned and self.mesh is not None:  # each owner over its own pool, under shard_map
+      on_mesh = self._mesh_terms(step, dev, pinned)
+    elif pinned:  # the device kernel over the pin pool (on a CPU-only machine: the CPU kernel)
       parts.append(self._pool_terms(step, dev.pool, dev.slot_of, pinned,
                                     "cpu" if self.on_cpu else self.kernel))
     self.stats["experts_on_device"] += len(pinned)
@@ -538,6 +617,10 @@ class OffloadEngine:
     out = jnp.asarray(miss_terms)
     for active, terms in parts:
       out = merge_terms(jnp.asarray(active), terms, out)
+    if self.mesh is not None:  # the host's terms replicated onto the mesh, then the pinned ones
+      out = jax.device_put(out, replicated(self.mesh))
+      if on_mesh is not None:
+        out = merge_terms(put(on_mesh[0], replicated(self.mesh)), on_mesh[1], out)
     if self.stage_s is not None:  # compute: the step's time less what it waited for reads
       self._stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
       self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0
@@ -579,6 +662,19 @@ class OffloadEngine:
     terms = pool_terms_step(x, pool, slots, active, kernel=kernel)
     return active, terms
 
+  def _mesh_terms(self, step: _Step, pins: MeshPins, experts):
+    """(active `[T, K]`, terms) of pinned `experts` on a mesh: each computed by its owner."""
+    active = np.zeros(step.ids.shape, bool)
+    slots = np.zeros(step.ids.shape, np.int32)
+    for e in experts:
+      t, k = step.pairs[e]
+      active[t, k] = True
+      slots[t, k] = pins.global_slot(e)
+    rep = replicated(self.mesh)
+    terms = sharded_pool_terms(put(step.x, rep), put(slots, rep), put(active, rep), pins.pool(),
+                               mesh=self.mesh, kernel="cpu" if self.on_cpu else self.kernel)
+    return active, terms
+
   def _upload_terms(self, step: _Step, weights: dict[int, ExpertWeights]):
     """Host-held experts uploaded into a transient device pool and run by the device kernel
     (expert_compute="device" on an accelerator)."""
@@ -618,6 +714,13 @@ class OffloadEngine:
     dev = self.device.get(layer)
     if dev is None:
       return
+    if isinstance(dev, MeshPins):  # each device's pool admits only experts it owns
+      for d, shard in enumerate(dev.shards):
+        self._admit_into(shard, union, {e: s for e, s in sources.items() if dev.owner(e) == d})
+      return
+    self._admit_into(dev, union, sources)
+
+  def _admit_into(self, dev: DevicePool, union, sources: dict):
     for e, slot, repinned in lfru_admissions(dev, self.heat, union, sources):
       self.stats["repins"] += repinned
       if isinstance(sources[e], ExpertWeights):
