@@ -25,6 +25,28 @@ def pytest_configure(config):
   import jax
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  if getattr(config, "glmjax_owns_xla_cache", False):
+    _warm_cpu_kernels()
+
+
+def _warm_cpu_kernels():
+  """Compiles the numba CPU kernels into numba's on-disk cache (`cache=True`) once, before
+  xdist starts its workers: on a fresh clone both workers and the first scripts would otherwise
+  each compile them (~13 s of a core each) at the same time."""
+  import numpy as np
+  from glmjax.model import quant
+  from pallas_kernels import cpu
+  rng = np.random.default_rng(0)
+  for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):  # both decoders, odd sizes
+    pool = quant.stack_experts([quant.quantize_expert(
+        rng.standard_normal((i, d)), rng.standard_normal((i, d)), rng.standard_normal((d, i)),
+        bits, group) for _ in range(2)])
+    arrs = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
+    kw = dict(bits=bits, group_size=group, hidden=d, intermediate=i)
+    for t in (1, 3, 17):  # the decode (matvec) and grouped variants
+      x = rng.standard_normal((t, d)).astype(np.float32)
+      cpu.expert_ffn(x, *(a[0] for a in arrs), **kw)
+      cpu.pool_terms(x, *arrs, np.zeros((t, 2), np.int64), None, **kw)
 
 
 def pytest_unconfigure(config):
