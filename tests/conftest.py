@@ -35,7 +35,7 @@ def _warm_cpu_kernels():
   each compile them (~13 s of a core each) at the same time."""
   import numpy as np
   from glmjax.model import quant
-  from pallas_kernels import cpu
+  from pallas_kernels import cpu, cpu_ffi  # noqa: F401  (cpu_ffi compiles its handler on import)
   rng = np.random.default_rng(0)
   for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):  # both decoders, odd sizes
     pool = quant.stack_experts([quant.quantize_expert(

@@ -70,7 +70,9 @@ def test_greedy_equivalence_embedded():
   model = glmjax.load(progress=False)
   prompt = model.tokenizer.encode("def parse_args(argv):\n    ") if model.tokenizer else PROMPT
   plain = model.generate(prompt, 32, stop_ids=[])
-  for draft in (1, 2, 3, 4):
+  # The narrowest and widest verify passes (2 and 5 positions); every draft count is also
+  # checked on the random-MTP model (test_greedy_equivalence_random_mtp).
+  for draft in (1, 4):
     assert model.generate(prompt, 32, stop_ids=[], draft=draft).tokens == plain.tokens
 
 
