@@ -182,6 +182,16 @@ class _Step:
   def union(self) -> list[int]:
     return sorted(self.pairs)
 
+  def slot_grid(self, experts, slot_of) -> tuple[np.ndarray, np.ndarray]:
+    """(active `[T, K]`, slots `[T, K]`): the pairs of `experts`, each at `slot_of(e)`."""
+    active = np.zeros(self.ids.shape, bool)
+    slots = np.zeros(self.ids.shape, np.int32)
+    for e in experts:
+      t, k = self.pairs[e]
+      active[t, k] = True
+      slots[t, k] = slot_of(e)
+    return active, slots
+
 
 class MeshPins:
   """One MoE layer's pin tier on a mesh: a DevicePool per device of the `expert` axis, each
@@ -650,12 +660,7 @@ class OffloadEngine:
 
   def _pool_terms(self, step: _Step, pool: ExpertPool, slot_of: dict, experts, kernel: str):
     """(active `[T, K]`, terms) of `experts`, held in `pool` at `slot_of`, run by `kernel`."""
-    active = np.zeros(step.ids.shape, bool)
-    slots = np.zeros(step.ids.shape, np.int32)
-    for e in experts:
-      t, k = step.pairs[e]
-      active[t, k] = True
-      slots[t, k] = slot_of[e]
+    active, slots = step.slot_grid(experts, slot_of.__getitem__)
     x = step.x
     if kernel == "cpu" and not self.on_cpu:
       x = jax.device_put(x, cpu_device())
@@ -664,12 +669,7 @@ class OffloadEngine:
 
   def _mesh_terms(self, step: _Step, pins: MeshPins, experts):
     """(active `[T, K]`, terms) of pinned `experts` on a mesh: each computed by its owner."""
-    active = np.zeros(step.ids.shape, bool)
-    slots = np.zeros(step.ids.shape, np.int32)
-    for e in experts:
-      t, k = step.pairs[e]
-      active[t, k] = True
-      slots[t, k] = pins.global_slot(e)
+    active, slots = step.slot_grid(experts, pins.global_slot)
     rep = replicated(self.mesh)
     terms = sharded_pool_terms(put(step.x, rep), put(slots, rep), put(active, rep), pins.pool(),
                                mesh=self.mesh, kernel="cpu" if self.on_cpu else self.kernel)
