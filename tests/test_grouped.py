@@ -72,12 +72,14 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
   """The fused step (one jit over the CPU tiers, bookkeeping after) gives bitwise the logits
   and tokens, and exactly the tier counters, of the layer-by-layer path. Forcing an attempt at
   every step also exercises void attempts (a miss): they re-run through the tiers exactly. The
-  budgets hold a pin tier and a host cache of every expert, so both tiers serve fused steps."""
+  budgets hold a pin tier and a host cache of every expert, so both tiers serve fused steps.
+  With the host tier warmed first, every expert is held, so each fused step returns before its
+  bookkeeping, which the next call settles: counters, heat and pins equal the layer path's."""
   import os, shutil
   from glmjax.reporting import store_geometry
   total = store_geometry(embedded_store)["expert_bytes_total"]  # the main layers' experts
   runs = {}
-  for mode in ("layers", "fused", "forced"):
+  for mode in ("layers", "fused", "forced", "warm_layers", "warm_fused"):
     store = tmp_path / mode
     shutil.copytree(embedded_store, store)  # its own usage history: the same pins for each
     for name in ("usage.json", "couple.npy"):
@@ -87,7 +89,10 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
                      device_cache_gb=device_fraction * total / GB,
                      host_cache_gb=2 * total / GB) as m:
       eng = m.engine
-      eng.fused = mode != "layers"
+      eng.fused = mode not in ("layers", "warm_layers")
+      if mode.startswith("warm"):
+        eng.warm_host()
+        assert eng._all_cached()
       if mode == "forced":
         forward = eng.forward
 
@@ -95,21 +100,96 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
           eng._fused_ready = True
           return forward(*a, **k)
         eng.forward = always
+      unsettled = []
+      if mode == "warm_fused":  # records each step that returned before its bookkeeping
+        settle = eng.settle
+
+        def spy():
+          unsettled.append(eng._unsettled is not None)
+          settle()
+        eng.settle = spy
       before = eng.telemetry()
       out = [m.generate(PROMPT17, 8, stop_ids=[]) for _ in range(2)]
       logits = m.score([PROMPT17, PROMPT17[::-1]])
       after = eng.telemetry()
       runs[mode] = (out, logits, {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS},
-                    after.get("fused_steps", 0), after.get("fused_void", 0))
+                    after.get("fused_steps", 0), after.get("fused_void", 0),
+                    dict(eng.heat.h), {l: list(d.expert_in) for l, d in eng.device.items()},
+                    sum(unsettled))
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=2 * total / GB) as m:
+    resident = m.score([PROMPT17, PROMPT17[::-1]])  # one jit, like a fused step
   layers = runs["layers"]
-  assert layers[3] == 0
-  for mode in ("fused", "forced"):
-    out, logits, counts, steps, void = runs[mode]
-    assert steps > 0, mode
-    assert [r.tokens for r in out] == [r.tokens for r in layers[0]]
-    np.testing.assert_array_equal(logits, layers[1])
-    assert counts == layers[2], mode
+  assert layers[3] == 0 and runs["warm_layers"][3] == 0
+  for mode in ("fused", "forced", "warm_layers", "warm_fused"):
+    out, logits, counts, steps, void = runs[mode][:5]
+    assert [r.tokens for r in out] == [r.tokens for r in layers[0]], mode
+    if mode == "warm_fused":  # the 34-token score ran as one jit: the resident path's bits
+      np.testing.assert_array_equal(logits, resident)
+      np.testing.assert_allclose(logits, layers[1], rtol=1e-5, atol=1e-4)
+    else:
+      np.testing.assert_array_equal(logits, layers[1], err_msg=mode)
+    if mode != "warm_layers":
+      assert steps > 0, mode
+    base = runs["warm_layers" if mode.startswith("warm") else "layers"]
+    assert counts == base[2], mode
+    assert counts["experts_used"] == layers[2]["experts_used"]
   assert runs["forced"][4] > 0  # the cold start's misses made attempts void
+  warm = runs["warm_fused"]
+  assert warm[4] == 0 and warm[2]["expert_misses"] == 0
+  assert warm[7] >= warm[3] - 2  # every fused step but the last of each call was unsettled
+  assert warm[5] == runs["warm_layers"][5]  # heat: the same uses and decays, in order
+  assert warm[6] == runs["warm_layers"][6]  # the same pins in the same slots
+
+
+def test_a_host_cache_that_holds_everything_is_filled(embedded_store, tmp_path):
+  """With room for every expert (and prefetch on, the default), the engine reads the experts
+  no step has used in the background (FILL priority) until the tiers hold them all; steps
+  are then fused. A smaller host cache is never filled. Reads are waited for, never timed."""
+  import concurrent.futures as cf
+  import shutil
+  from glmjax.reporting import store_geometry
+  total = store_geometry(embedded_store)["expert_bytes_total"]
+  for frac, filled in ((1.0, True), (0.5, False)):
+    store = tmp_path / str(frac)
+    shutil.copytree(embedded_store, store)
+    with glmjax.load(str(store), progress=False, device_cache_gb=0,
+                     host_cache_gb=frac * total / GB) as m:
+      eng = m.engine
+      ref = m.generate(PROMPT17, 4, stop_ids=[]).tokens
+      for _ in range(20):  # each call queues what the reader has room for, then lands it
+        cf.wait([f for f, _ in eng.inflight.values()])
+        r = m.generate(PROMPT17, 4, stop_ids=[])
+        assert r.tokens == ref
+        if eng._all_cached():
+          break
+      assert eng._all_cached() == filled
+      used = {k for k in eng.heat.h}
+      stats = eng.telemetry()
+      if filled:
+        # Each expert was read once: the ones steps used, and the rest by the fill.
+        n = len(eng.moe_layers) * m.config.n_routed_experts
+        assert stats["expert_bytes_read"] <= n * chunk_bytes(embedded_store)
+        assert len(eng.host) == n > len([k for k in used if k[0] in eng.moe_layers])
+        before = eng.telemetry()
+        m.generate(PROMPT17, 4, stop_ids=[])
+        d = {k: v - before.get(k, 0) for k, v in eng.telemetry().items()}
+        assert d["fused_steps"] >= 3 and d.get("expert_misses", 0) == 0
+
+
+def test_a_long_step_is_fused_only_when_every_expert_is_held(embedded_store):
+  """A void fused attempt costs a whole forward: after a step that missed nothing, only steps
+  of at most FUSED_GUESS_TOKENS tokens are tried fused on a partial cache."""
+  from glmjax.offload.engine import FUSED_GUESS_TOKENS
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
+                   host_cache_gb=8 * chunk_bytes(embedded_store) / GB, prefetch=False) as m:
+    eng = m.engine
+    for n, tried in ((FUSED_GUESS_TOKENS + 1, False), (FUSED_GUESS_TOKENS, True)):
+      eng._fused_ready = True
+      before = eng.telemetry()
+      m.score([PROMPT17[:n]])
+      after = eng.telemetry()
+      attempts = sum(after.get(k, 0) - before.get(k, 0) for k in ("fused_steps", "fused_void"))
+      assert attempts == int(tried), n
 
 
 def test_expert_terms_do_not_depend_on_the_batch(embedded_store):

@@ -52,7 +52,7 @@ from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms, resolve_kernel
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE, Weights
-from glmjax.offload.expert_io import COUPLE, DEMAND, PILOT, ExpertReader, drop_page_cache
+from glmjax.offload.expert_io import COUPLE, DEMAND, FILL, PILOT, ExpertReader, drop_page_cache
 from glmjax.offload.tiers import (DevicePool, Heat, HostCache, HostSlabs, as_device_pool,
                                   atomic_write, cpu_device, empty_pool, gather_slot,
                                   lfru_admissions)
@@ -62,6 +62,8 @@ from pallas_kernels import cpu
 USAGE_FILE = "usage.json"
 COUPLE_FILE = "couple.npy"
 PLACEMENTS = ("auto", "device", "host")
+# A step of more tokens than this runs fused only when the tiers hold every expert.
+FUSED_GUESS_TOKENS = 16
 
 
 def _load_couple(path: str, layers: int, experts: int) -> np.ndarray:
@@ -106,24 +108,21 @@ def _tier_terms(flat, valid, ids, pool, table):
   return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "pilot_k"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed"), donate_argnames=("cache",))
 def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Config,
-                  absorbed: bool, pilot_k: int):
+                  absorbed: bool):
   """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
   (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
   through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
   "host" `[L, E]`), with no host round trip.
 
   Returns (logits, hidden, cache, record): `record` is one int32 vector, the concatenation of
-  missing `[M]` (per MoE layer, the real (token, rank) pairs whose expert no tier held), ids
-  `[M, T, K]` and, with `pilot_k`, the pilot predictions `[P, T, pilot_k]` of the P MoE layers
-  that have a MoE successor (`_split_record` takes it apart).
+  missing `[M]` (per MoE layer, the real (token, rank) pairs whose expert no tier held) and
+  ids `[M, T, K]`.
   A step with anything missing is void; the caller re-runs it through the tiers (the cache
   writes of this step sit past `length` and are rewritten).
   """
-  ids_seen, missing, pilots = [], [], []
-  moe = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
+  ids_seen, missing = [], []
 
   def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
     valid = valid_rows(x.shape, n_valid, jnp)[:, None]  # [T, 1]
@@ -133,9 +132,6 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Conf
     if layer in tiers["pins"]:
       pinned, on_pin = _tier_terms(flat, valid, ids, tiers["pins"][layer], tiers["pin"][layer])
       terms, found = jnp.where(on_pin[..., None], pinned, terms), found | on_pin
-    later = [i for i in moe if i > layer]
-    if pilot_k and later and later[0] == layer + 1:
-      pilots.append(pilot_step(dense.layers[layer + 1], x, cfg=cfg, k=pilot_k))
     ids_seen.append(ids)
     missing.append(jnp.sum(valid & ~found))
     return terms
@@ -143,8 +139,8 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Conf
   logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
                              n_valid=n_valid)
   # One int32 vector, so the host fetches the whole record in one transfer.
-  parts = [jnp.stack(missing), jnp.stack(ids_seen)] + ([jnp.stack(pilots)] if pilots else [])
-  record = jnp.concatenate([p.astype(jnp.int32).reshape(-1) for p in parts])
+  record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
+                            jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
   return logits, x, cache, record
 
 
@@ -308,12 +304,23 @@ class OffloadEngine:
     self.stage_s: dict | None = None
     # The fused step (one jit per forward over the CPU-resident tiers) needs every expert in
     # CPU memory addressable by slot, and exact routing. It is tried when the tiers hold every
-    # expert, or after a step that missed nothing: a cold cache does not pay for void attempts.
+    # expert, or, for a step of at most FUSED_GUESS_TOKENS tokens, after a step that missed
+    # nothing: a cold cache does not pay for void attempts, and neither does a long prefill,
+    # whose union is most of a layer's experts (a void 1024-token attempt cost 0.3 s).
     # On a mesh the fused step is off (its pin pools are one-device): steps run layer by layer.
     self.fused = (self.on_cpu and cache_route is None and not self.all_resident and mesh is None
                   and len({store.layout(l) for l in self.moe_layers}) == 1)
     self._fused_ready = False
     self._fused_compiled: dict = {}
+    # A fused step run while every expert is held cannot miss: it returns without waiting for
+    # its record, which is settled (its bookkeeping applied) at the engine's next call.
+    self._unsettled = None  # (record, tokens, valid) of such a step
+    # A host cache that can hold every routed expert of the main layers is filled in the
+    # background (FILL priority, hottest first), so that steps end up fused and never miss.
+    e_total = len(self.moe_layers) * e - sum(self.slots for _ in self.moe_layers)
+    self._fill = (self.prefetch and self.fused and e_total > 0
+                  and self.host.budget >= e_total * self.chunk_bytes)
+    self._fill_order, self._fill_next = None, 0
     self._tables = None  # (host copy, device copy) of the pin and host slot tables
 
   def _max_host_slots(self, layout) -> int:
@@ -409,6 +416,7 @@ class OffloadEngine:
 
   def save(self) -> None:
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
+    self.settle()
     self.heat.save(self.usage_path)
     if self.prefetch:
       atomic_write(self.couple_path, lambda f: np.save(f, self.couple))
@@ -417,7 +425,7 @@ class OffloadEngine:
     """Saves, then stops and joins the I/O threads. Idempotent; the engine is unusable after."""
     if self.closed:
       return
-    self.save()
+    self.save()  # settles first
     self._finalizer()  # runs reader.close() once
     self.device.clear()
     self.host = HostCache(0)
@@ -435,6 +443,7 @@ class OffloadEngine:
 
   def hint(self, layer: int, experts, kind: int) -> None:
     """Queues non-resident `experts` of `layer` for reading at priority `kind`."""
+    self.settle()
     for e in experts:
       e = int(e)
       if self._resident(layer, e):
@@ -746,6 +755,7 @@ class OffloadEngine:
     (the first `n_valid` positions real, the rest padding that never routes). With `record`
     (a list), each MoE layer's routing record (`route_record`) is appended to it. With
     `expert_cap`, each MoE layer routes the step within that many experts (lossy, opt-in)."""
+    self.settle()
     self._prev_union = None
     if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
       tokens = jnp.asarray(tokens, jnp.int32)
@@ -754,9 +764,12 @@ class OffloadEngine:
     # With every expert held there is nothing to fetch: prediction (pilot, co-activation
     # learning and their statistics) pauses rather than cost time per layer.
     self._predicting = self.prefetch and not all_cached
+    if self._fill and not all_cached:
+      self._fill_host()
+    guess = self._fused_ready and tokens.size <= FUSED_GUESS_TOKENS
     if self.fused and record is None and self.stage_s is None and expert_cap is None and (
-        self._fused_ready or all_cached):
-      out, cache = self._fused(tokens, cache, absorbed, n_valid)
+        guess or all_cached):
+      out, cache = self._fused(tokens, cache, absorbed, n_valid, sure=all_cached)
     if out is None:
       misses = self.stats["expert_misses"]
       aware = self.cache_route is not None and not self.all_resident
@@ -767,7 +780,7 @@ class OffloadEngine:
                     steps=self._steps(n_valid), n_valid=n_valid,
                     route_args=self._route_args if aware else None, expert_cap=expert_cap)
       self._fused_ready = self.stats["expert_misses"] == misses
-    if not self.all_resident:
+    if not self.all_resident and self._unsettled is None:  # else settle() decays, after the uses
       self.heat.decay()
     return out
 
@@ -810,12 +823,52 @@ class OffloadEngine:
       return out
     return call
 
+  def _fill_keys(self) -> list:
+    """Main-layer (layer, expert) keys in fill order: each layer's experts hottest first by
+    the usage history, layers interleaved (a fixed order, whatever the reads' timing)."""
+    e = self.cfg.n_routed_experts
+    ranked = [list(dict.fromkeys(self.heat.hottest(l, e, e) + list(range(e))))
+              for l in self.moe_layers]
+    return [(l, r[i]) for i in range(e) for l, r in zip(self.moe_layers, ranked)]
+
+  def _fill_host(self) -> None:
+    """Queues FILL reads of main-layer experts no tier holds, as far as the reader has room
+    for hints; they land like any prefetch. One pass over `_fill_keys` (fixed at the first
+    call): an expert evicted later is not read again."""
+    if self._fill_order is None:
+      self._fill_order = self._fill_keys()
+    room = self.reader.hint_room
+    while room and self._fill_next < len(self._fill_order):
+      key = self._fill_order[self._fill_next]
+      self._fill_next += 1
+      if not self._resident(*key):
+        self.hint(key[0], [key[1]], FILL)
+        room -= 1
+    if self._fill_next == len(self._fill_order):
+      self._fill = False
+
+  def warm_host(self) -> None:
+    """Reads, now, every main-layer expert that no tier holds into the host cache, as far as
+    its budget allows, in `_fill_keys` order (the reads run in parallel on the I/O threads;
+    inserts follow the fixed order, so the cache's contents do not depend on their timing)."""
+    self.settle()
+    room = (self.host.budget - self.host.used) // self.chunk_bytes
+    keys = [k for k in self._fill_keys() if not self._resident(*k)][:max(0, room)]
+    for i in range(0, len(keys), 64):  # a bounded transient: 64 chunks in flight at most
+      part = keys[i:i + 64]
+      futures = {self.reader.submit(*k): k for k in part}
+      blobs = dict(self.reader.as_completed(futures))
+      for k in part:
+        self.stats["expert_bytes_read"] += blobs[k].nbytes
+        self._put_host(k, blobs[k])
+      self.slabs.flush()
+
   def _all_cached(self) -> bool:
     """Every routed expert of the main layers is held by a tier: no step can miss."""
     rows = self.moe_layers
     return bool(((self.pin_tables[rows] >= 0) | (self.slabs.tables[rows] >= 0)).all())
 
-  def _fused(self, tokens, cache, absorbed, n_valid):
+  def _fused(self, tokens, cache, absorbed, n_valid, sure: bool = False):
     """Tries the step as one jit over the tiers (`fused_forward`). On success applies the same
     tier bookkeeping as the layer-by-layer path, layer by layer in union order, and returns
     (output, None); when a routed expert was not cached returns (None, cache) to re-run."""
@@ -832,57 +885,100 @@ class OffloadEngine:
         "slab": None if slab is None else slab.pool,
         "host": self._tables[2],
     }
-    pilot_k = min(self.pilot_k, self.cfg.n_routed_experts) if self._predicting else 0
     nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers)
-    static = dict(cfg=self.cfg, absorbed=absorbed, pilot_k=pilot_k)
+    static = dict(cfg=self.cfg, absorbed=absorbed)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
     key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape,
-           None if nv is None else nv.shape,
-           slab is None, absorbed, pilot_k)
+           None if nv is None else nv.shape, slab is None, absorbed)
     if key not in self._fused_compiled:  # compiled ahead, so its time is accounted apart
       t0 = time.perf_counter()
       self._fused_compiled[key] = fused_forward.lower(*args, **static).compile()
       self.stats["fused_compile_s"] += time.perf_counter() - t0
     logits, x, new_cache, record = self._fused_compiled[key](*args)
-    missing, ids_all, pilots = self._split_record(np.asarray(record), tokens.size, pilot_k)
-    if missing.any():
+    valid = valid_rows(tokens.shape, n_valid)
+    self.stats["fused_steps"] += 1
+    if sure:  # nothing can be missing: settled later, so this call does not wait for the step
+      self._unsettled = (record, tokens.size, valid)
+      return (logits, x, new_cache), None
+    record = np.asarray(record)
+    m = len(self.moe_layers)
+    if record[:m].any():
+      self.stats["fused_steps"] -= 1
       self._fused_ready = False
       self.stats["fused_void"] += 1
       return None, new_cache
-    self.stats["fused_steps"] += 1
-    valid = valid_rows(tokens.shape, n_valid)
-    pilots = iter(pilots)
-    for j, layer in enumerate(self.moe_layers):
-      ids = ids_all[j]
-      pilot = next(pilots) if pilot_k and self._next_moe(layer) is not None else None
-      union = np.unique(ids[valid]).tolist()
-      pinned, cached, futures = self._account(layer, union, valid, None,
-                                              None if pilot is None else pilot[valid])
-      if futures:
-        # Held when the step ran, evicted since by this step's own bookkeeping (a prefetch
-        # landing in a small host cache): read back as a miss, as the tiered path would.
-        protect = {(layer, e) for e in union}
-        for (_, e), blob in self.reader.as_completed(futures):
-          self.stats["expert_bytes_read"] += blob.nbytes
-          self._put_host((layer, e), blob, protect)
-        self.slabs.flush()
-      self.stats["experts_on_device"] += len(pinned)
-      on_device = self._place(len(cached))
-      self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached)
-      if layer in self.device:  # only a layer with a pin pool admits
-        slab_pool = self.slabs.slabs[self.layout].pool if cached else None
-        self._admit(layer, union,
-                    {c: (slab_pool, self.slabs.where[(layer, c)][1]) for c in cached})
+    self._settle_fused(record[m:].reshape(m, tokens.size, -1), valid)
     return (logits, x, new_cache), None
 
-  def _split_record(self, flat: np.ndarray, n_tokens: int, pilot_k: int):
-    """`fused_forward`'s record vector → (missing `[M]`, ids `[M, T, K]`, pilots `[P, T, k]`)."""
-    m, k = len(self.moe_layers), self.cfg.num_experts_per_tok
-    ids_end = m + m * n_tokens * k
-    pilots = flat[ids_end:].reshape(-1, n_tokens, pilot_k) if pilot_k else flat[:0]
-    return flat[:m], flat[m:ids_end].reshape(m, n_tokens, k), pilots
+  def settle(self) -> None:
+    """Applies the bookkeeping of a fused step that was returned unsettled (every expert held,
+    so it could not miss). Every reader of tier state or counters calls this first."""
+    if self._unsettled is None:
+      return
+    record, n_tokens, valid = self._unsettled
+    self._unsettled = None
+    record, m = np.asarray(record), len(self.moe_layers)
+    if record[:m].any():  # the tiers held every expert and nothing evicts between steps
+      raise RuntimeError("internal: a fused step run with every expert held missed one")
+    self._settle_fused(record[m:].reshape(m, n_tokens, -1), valid)
+    self.heat.decay()  # the step's own decay, after its uses, as a settled step has it
+
+  def _settle_fused(self, ids_all: np.ndarray, valid: np.ndarray) -> None:
+    """A fused step's tier bookkeeping: per MoE layer in union order, the lookups, counters,
+    heat, LRU recency and pin admissions of the layer steps (`_account`, `_admit`).
+
+    Fused steps predict nothing: a pilot or co-activation hint computed after the step would
+    name the experts the step has just been served. Prefetches issued by earlier layer steps
+    land once, before the step's lookups, never evicting an expert the step used."""
+    unions = [np.unique(ids[valid]).tolist() for ids in ids_all]
+    if self.inflight:
+      self._land(protect={(l, e) for l, u in zip(self.moe_layers, unions) for e in u})
+    on_device = self._place(1)
+    slab = self.slabs.slabs.get(self.layout)
+    n = collections.Counter()
+    for layer, union in zip(self.moe_layers, unions):
+      self.pilot_pred.pop(layer, None)
+      self.heat.use(layer, union)
+      dev = self.device.get(layer)
+      cached, lost = [], []
+      for e in union:
+        if dev is not None and e in dev:
+          n["pinned"] += 1
+        elif self.host.touch((layer, e)):
+          cached.append(e)
+        else:
+          lost.append(e)
+      if self.landed_unused:
+        for e in union:
+          if (layer, e) in self.landed_unused:
+            self.landed_unused.discard((layer, e))
+            n["prefetch_useful"] += 1
+      if lost:  # held when the step ran and evicted since (cannot happen today): read back
+        self._read_back(layer, union, lost)
+        self.stats["expert_misses"] += len(lost)
+        self.stats[f"misses_layer_{layer}"] += len(lost)
+      n["used"] += len(union)
+      n["cached"] += len(cached)
+      if dev is not None:
+        self._admit(layer, union,
+                    {c: (slab.pool, self.slabs.where[(layer, c)][1]) for c in cached})
+    self.stats["experts_used"] += n["used"]
+    self.stats["expert_pin_hits"] += n["pinned"]
+    self.stats["expert_host_hits"] += n["cached"]
+    self.stats["experts_on_device"] += n["pinned"] + (n["cached"] if on_device else 0)
+    self.stats["experts_on_host"] += 0 if on_device else n["cached"]
+    if n["prefetch_useful"]:
+      self.stats["prefetch_useful"] += n["prefetch_useful"]
+
+  def _read_back(self, layer: int, union, lost) -> None:
+    protect = {(layer, e) for e in union}
+    futures = {self.reader.submit(layer, e): (layer, e) for e in lost}
+    for (_, e), blob in self.reader.as_completed(futures):
+      self.stats["expert_bytes_read"] += blob.nbytes
+      self._put_host((layer, e), blob, protect)
+    self.slabs.flush()
 
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
@@ -890,6 +986,7 @@ class OffloadEngine:
     Returns (logits `[B, S, V]`, block output `[B, S, D]`, the MTP layer cache). Its routed
     experts come through the same tiers as the main layers' (the store's "mtp" group).
     """
+    self.settle()
     return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, cache,
                        jnp.asarray(start, jnp.int32), absorbed=h.shape[1] <= 4,
                        experts=self._provider(), steps=JITTED)
@@ -897,6 +994,7 @@ class OffloadEngine:
   def tier_state(self) -> dict:
     """The tiers' state as plain data (a live trace's starting point for the simulator):
     budgets, each MoE layer's pinned experts by slot, the host LRU order, raw heat."""
+    self.settle()
     return {
         "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
         "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
@@ -907,6 +1005,7 @@ class OffloadEngine:
 
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""
+    self.settle()
     out = {k: float(v) for k, v in self.stats.items()}
     out["all_resident"] = float(self.all_resident)  # fast path: no per-expert accounting
     if self.prefetch:

@@ -24,8 +24,9 @@ class ExpertIOError(GlmjaxError):
 
 
 # Read priorities: lower is served first. Demand misses (including a verify pass's union)
-# before pilot predictions before co-activation predictions.
-DEMAND, PILOT, COUPLE = 0, 2, 3
+# before pilot predictions before co-activation predictions before the background fill of a
+# host cache that can hold every expert.
+DEMAND, PILOT, COUPLE, FILL = 0, 2, 3, 4
 
 
 class ExpertReader:
@@ -87,6 +88,11 @@ class ExpertReader:
     self._seq += 1
     self._queued[fut] = (priority, layer, expert)
     self._q.put((priority, self._seq, layer, expert, fut))
+
+  @property
+  def hint_room(self) -> int:
+    """How many more hints `submit` would queue now."""
+    return max(0, self.max_hints - self._hints)
 
   def submit(self, layer: int, expert: int, priority: int = DEMAND) -> cf.Future | None:
     """Queues a read; None when a hint was dropped because the hint queue is full."""
