@@ -188,7 +188,7 @@ class Model:
       self.engine.forward(arr, record=rec, record_opts=opts)
       out = stack_records(rec)
     else:
-      out = record_fn(self.weights, self._put(arr), cfg=self.config,
+      out = record_fn(self.weights, self._put(arr), self._put(0, jnp.int32), cfg=self.config,
                       kernel=self.options.moe_kernel, opts=opts, mesh=self.mesh)
     return {k: np.asarray(v) for k, v in out.items()} if fetch else out
 
@@ -207,7 +207,8 @@ class Model:
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self._max_context()}")
     if self.offloaded:
       return np.asarray(self.engine.forward(arr)[0], np.float32)
-    logits = score_fn(self.weights, self._put(arr, batch=True), cfg=self.config,
+    logits = score_fn(self.weights, self._put(arr, batch=True), self._put(0, jnp.int32),
+                      cfg=self.config,
                       kernel=self.options.moe_kernel, mesh=self.mesh)
     if self.mesh is not None:  # every process gets every row (a data-split batch is gathered)
       from glmjax import sharding

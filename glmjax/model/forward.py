@@ -285,16 +285,19 @@ def valid_rows(shape, n_valid, xp=np):
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
-            route_args=None, expert_cap: int | None = None):
+            route_args=None, expert_cap: int | None = None, start=0):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
   step by step by the offload engine with `steps=JITTED` and its tiered `experts`. Also returns
   the final pre-norm hidden states (the MTP head's input) and the new cache. Positions at or
-  past `n_valid` are padding: they never select experts.
+  past `n_valid` are padding: they never select experts. Without a cache the tokens sit at
+  `start`.. (0 by default); inside a jit, pass it as a traced int32 zero (`fresh_start()`): with a
+  constant start XLA specialises the softmax on the constant causal mask and its bits differ
+  from the engine's layer steps, whose start is always a run-time value.
   """
   experts = experts or resident_experts()
-  start = 0 if cache is None else cache.length
+  start = start if cache is None else cache.length
   x = steps.embed(w, tokens)  # [B, S, D]
   new_layers, selection = [], None
   for i, lw in enumerate(w.layers):
@@ -330,19 +333,26 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache=None, start=None,
 # static because it selects different code, not because it changes shapes. So is `mesh` (None,
 # or the Mesh the weights are sharded over, for the MoE block's shard_map).
 
+def fresh_start():
+  """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
+  return jnp.zeros((), jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh"))
-def score_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto", mesh=None):
-  """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache."""
-  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh))[0]
+def score_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto", mesh=None):
+  """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`)."""
+  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh), start=start)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts", "mesh"))
-def record_fn(w: Weights, tokens, cfg: Config, kernel: str = "auto",
+def record_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto",
               opts: RecordOptions = RecordOptions(), mesh=None):
-  """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept): per MoE
-  layer (in order), `route_record`'s arrays stacked to `[L, B·S, ...]`."""
+  """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept; `start`:
+  `fresh_start()`): per MoE layer (in order), `route_record`'s arrays stacked to
+  `[L, B·S, ...]`."""
   records: list = []
-  forward(w, tokens, cfg, experts=recording(resident_experts(kernel, mesh), w, cfg, records, opts))
+  forward(w, tokens, cfg, experts=recording(resident_experts(kernel, mesh), w, cfg, records, opts),
+          start=start)
   return stack_records(records)
 
 

@@ -46,8 +46,8 @@ from glmjax.errors import InputError
 
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
-from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, forward, mtp_forward,
-                                  recording, sharded_terms, valid_rows)
+from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, forward, fresh_start,
+                                  mtp_forward, recording, sharded_terms, valid_rows)
 from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms, resolve_kernel
 from glmjax.model.quant import ExpertPool, ExpertWeights
@@ -109,7 +109,7 @@ def _tier_terms(flat, valid, ids, pool, table):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed"), donate_argnames=("cache",))
-def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Config,
+def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cfg: Config,
                   absorbed: bool):
   """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
   (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
@@ -137,7 +137,7 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, cfg: Conf
     return terms
 
   logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
-                             n_valid=n_valid)
+                             n_valid=n_valid, start=start)  # start: run-time, as the layer steps'
   # One int32 vector, so the host fetches the whole record in one transfer.
   record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
                             jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
@@ -312,6 +312,7 @@ class OffloadEngine:
                   and len({store.layout(l) for l in self.moe_layers}) == 1)
     self._fused_ready = False
     self._fused_compiled: dict = {}
+    self._zero = fresh_start()  # a cache-less fused step's start (see forward)
     # A fused step run while every expert is held cannot miss: it returns without waiting for
     # its record, which is settled (its bookkeeping applied) at the engine's next call.
     self._unsettled = None  # (record, tokens, valid) of such a step
@@ -886,7 +887,7 @@ class OffloadEngine:
         "host": self._tables[2],
     }
     nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
-    args = (self.dense, tokens, cache, nv, tiers)
+    args = (self.dense, tokens, cache, nv, tiers, self._zero)
     static = dict(cfg=self.cfg, absorbed=absorbed)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
