@@ -21,6 +21,10 @@ measured_s_per_token, ratio (measured / limit), disk_gbs and `stages` (ms per to
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import gc
 import os
 import shutil

@@ -15,6 +15,10 @@ it reports greedy decode tok/s and the time to score --score_tokens tokens (medi
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import os
 import statistics
 import subprocess

@@ -13,6 +13,10 @@ fresh runs.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import os
 import statistics
 import time

@@ -16,6 +16,10 @@ compiled by one warm-up request first.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import concurrent.futures
 import http.client
 import json

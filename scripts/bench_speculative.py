@@ -11,6 +11,10 @@ prompts), and whether the tokens equal plain decoding's.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import os
 import statistics
 

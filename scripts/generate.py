@@ -16,6 +16,10 @@ Sampling flags left unset take the model's generation_config.json (greedy withou
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import json
 import os
 import sys

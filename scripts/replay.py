@@ -13,6 +13,10 @@ into rows; padding is never recorded. Read the result with glmjax.replay.Trace.o
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import concurrent.futures
 import time
 

@@ -11,6 +11,10 @@ generation_config.json.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
+  import _hugepages
+  _hugepages.reexec()
+
 import sys
 
 from absl import app, flags, logging
