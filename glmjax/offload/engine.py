@@ -318,9 +318,9 @@ class OffloadEngine:
     self._unsettled = None  # (record, tokens, valid) of such a step
     # A host cache that can hold every routed expert of the main layers is filled in the
     # background (FILL priority, hottest first), so that steps end up fused and never miss.
-    e_total = len(self.moe_layers) * e - sum(self.slots for _ in self.moe_layers)
-    self._fill = (self.prefetch and self.fused and e_total > 0
-                  and self.host.budget >= e_total * self.chunk_bytes)
+    unpinned = len(self.moe_layers) * (e - self.slots)
+    self._fill = (self.prefetch and self.fused and unpinned > 0
+                  and self.host.budget >= unpinned * self.chunk_bytes)
     self._fill_order, self._fill_next = None, 0
     self._tables = None  # (host copy, device copy) of the pin and host slot tables
 
@@ -899,19 +899,23 @@ class OffloadEngine:
       self.stats["fused_compile_s"] += time.perf_counter() - t0
     logits, x, new_cache, record = self._fused_compiled[key](*args)
     valid = valid_rows(tokens.shape, n_valid)
-    self.stats["fused_steps"] += 1
     if sure:  # nothing can be missing: settled later, so this call does not wait for the step
+      self.stats["fused_steps"] += 1
       self._unsettled = (record, tokens.size, valid)
       return (logits, x, new_cache), None
-    record = np.asarray(record)
-    m = len(self.moe_layers)
-    if record[:m].any():
-      self.stats["fused_steps"] -= 1
+    missed, ids = self._split_record(record, tokens.size)
+    if missed:
       self._fused_ready = False
       self.stats["fused_void"] += 1
       return None, new_cache
-    self._settle_fused(record[m:].reshape(m, tokens.size, -1), valid)
+    self.stats["fused_steps"] += 1
+    self._settle_fused(ids, valid)
     return (logits, x, new_cache), None
+
+  def _split_record(self, record, n_tokens: int) -> tuple[bool, np.ndarray]:
+    """`fused_forward`'s record → (whether any pair missed, ids `[M, T, K]`)."""
+    record, m = np.asarray(record), len(self.moe_layers)
+    return bool(record[:m].any()), record[m:].reshape(m, n_tokens, -1)
 
   def settle(self) -> None:
     """Applies the bookkeeping of a fused step that was returned unsettled (every expert held,
@@ -920,10 +924,10 @@ class OffloadEngine:
       return
     record, n_tokens, valid = self._unsettled
     self._unsettled = None
-    record, m = np.asarray(record), len(self.moe_layers)
-    if record[:m].any():  # the tiers held every expert and nothing evicts between steps
+    missed, ids = self._split_record(record, n_tokens)
+    if missed:  # the tiers held every expert and nothing evicts between steps
       raise RuntimeError("internal: a fused step run with every expert held missed one")
-    self._settle_fused(record[m:].reshape(m, n_tokens, -1), valid)
+    self._settle_fused(ids, valid)
     self.heat.decay()  # the step's own decay, after its uses, as a settled step has it
 
   def _settle_fused(self, ids_all: np.ndarray, valid: np.ndarray) -> None:
@@ -934,37 +938,34 @@ class OffloadEngine:
     name the experts the step has just been served. Prefetches issued by earlier layer steps
     land once, before the step's lookups, never evicting an expert the step used."""
     unions = [np.unique(ids[valid]).tolist() for ids in ids_all]
-    if self.inflight:
+    if self.inflight:  # lands protecting the whole step's union: nothing it used is evicted
       self._land(protect={(l, e) for l, u in zip(self.moe_layers, unions) for e in u})
-    on_device = self._place(1)
     slab = self.slabs.slabs.get(self.layout)
     n = collections.Counter()
     for layer, union in zip(self.moe_layers, unions):
       self.pilot_pred.pop(layer, None)
       self.heat.use(layer, union)
       dev = self.device.get(layer)
-      cached, lost = [], []
+      cached = []
       for e in union:
         if dev is not None and e in dev:
           n["pinned"] += 1
         elif self.host.touch((layer, e)):
           cached.append(e)
-        else:
-          lost.append(e)
+        else:  # admissions copy slab → pin and landings protect the union: never evicted
+          raise RuntimeError(f"internal: layer {layer} expert {e} served by a fused step is in "
+                             "no tier")
       if self.landed_unused:
         for e in union:
           if (layer, e) in self.landed_unused:
             self.landed_unused.discard((layer, e))
             n["prefetch_useful"] += 1
-      if lost:  # held when the step ran and evicted since (cannot happen today): read back
-        self._read_back(layer, union, lost)
-        self.stats["expert_misses"] += len(lost)
-        self.stats[f"misses_layer_{layer}"] += len(lost)
       n["used"] += len(union)
       n["cached"] += len(cached)
       if dev is not None:
         self._admit(layer, union,
                     {c: (slab.pool, self.slabs.where[(layer, c)][1]) for c in cached})
+    on_device = self._place(n["cached"])
     self.stats["experts_used"] += n["used"]
     self.stats["expert_pin_hits"] += n["pinned"]
     self.stats["expert_host_hits"] += n["cached"]
@@ -972,14 +973,6 @@ class OffloadEngine:
     self.stats["experts_on_host"] += 0 if on_device else n["cached"]
     if n["prefetch_useful"]:
       self.stats["prefetch_useful"] += n["prefetch_useful"]
-
-  def _read_back(self, layer: int, union, lost) -> None:
-    protect = {(layer, e) for e in union}
-    futures = {self.reader.submit(layer, e): (layer, e) for e in lost}
-    for (_, e), blob in self.reader.as_completed(futures):
-      self.stats["expert_bytes_read"] += blob.nbytes
-      self._put_host((layer, e), blob, protect)
-    self.slabs.flush()
 
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
