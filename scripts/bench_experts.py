@@ -12,6 +12,9 @@ One JSON report (medians of --repeats timed calls after one warm-up call):
   routing at each --tokens T: wall time and GFLOP/s, FLOPs = 2*T*K*(2I*D + D*I).
 * score_128: 128 tokens through one MoE layer: numba pool_terms vs the per-pair XLA path
   (one timed call; ~30 s; --skip_per_pair skips it) vs XLA dequantize-once-then-einsum.
+* pallas (on an accelerator, or with --pallas=interpret at small dims on a CPU): the same
+  decode matvec (GB/s and fraction of HBM) and grouped T rows (GFLOP/s) through
+  pallas_kernels.grouped_moe with the pool in device memory, each checked against numba.
 
 Weights are random packed bytes and random small bf16 scales (no quantization needed for
 timing). The machine may be shared: compare numbers from one run.
@@ -54,6 +57,9 @@ flags.DEFINE_list("tokens", ["16", "128", "1024"], "Token counts T for the group
 flags.DEFINE_bool("skip_per_pair", False, "Skip the slow per-pair XLA path at T=128.")
 flags.DEFINE_float("dram_gib", 1.0, "Size of the DRAM bandwidth array in GiB.")
 flags.DEFINE_integer("seed", 0, "RNG seed.")
+flags.DEFINE_enum("pallas", "auto", ["auto", "off", "interpret"],
+                  "Pallas rows: auto runs them when JAX has an accelerator; interpret runs the "
+                  "kernels in interpret mode on a CPU (slow: a smoke test at small dims).")
 flags.DEFINE_float("wait_idle_s", 120.0,
                    "Before each measurement wait up to this long for other processes to leave "
                    "the CPUs idle (the machine may be shared); 0 disables.")
@@ -270,6 +276,57 @@ def _score_128(report, gu, dn, d, i, g, k, repeats):
   report["score_128"] = out
 
 
+def _pallas_rows(report, gu, dn, d, i, g, k, repeats, interpret):
+  """Decode matvec and grouped rows through the Pallas kernel, the pool in device memory."""
+  from pallas_kernels import common, ops  # pylint: disable=import-outside-toplevel
+  s = gu[0].shape[0]
+  dev = jax.devices()[0]
+  bw = common.hbm_bandwidth(dev)
+  pool = quant.ExpertPool(
+      gate_up=quant.QArray(jnp.asarray(gu[0]), jnp.asarray(gu[1]), 4, g, d),
+      down=quant.QArray(jnp.asarray(dn[0]), jnp.asarray(dn[1]), 4, g, i))
+  moe = jax.jit(lambda x, p, ids, w: ops.grouped_moe(x, p, ids, w, backend="pallas",
+                                                     interpret=interpret))
+  call = lambda x, ids, w: moe(x, pool, ids, w)  # the pool is an operand, not a constant
+  out = dict(device_kind=common.device_kind(dev), interpret=interpret, hbm_bytes_per_s=bw)
+
+  expert_bytes = sum(int(a[0].nbytes) for a in (*gu, *dn))
+  x = np.random.default_rng(2).standard_normal((1, d)).astype(np.float32)
+  xj, one = jnp.asarray(x), jnp.ones((1, 1), jnp.float32)
+  slot = [jnp.full((1, 1), e, jnp.int32) for e in range(s)]  # rotate: no expert stays cached
+  t = _time(lambda n: call(xj, slot[n % s], one), max(repeats, 2 * s))
+  y = np.asarray(call(xj, slot[0], one))[0]
+  y_ref = cpu.expert_ffn(x, *(a[0] for a in (*gu, *dn)), 4, g, d, i)[0]
+  t.update(expert_bytes=expert_bytes, gb_per_s=expert_bytes / t["median_s"] / 1e9,
+           max_rel_err_vs_numba=float(np.abs(y - y_ref).max() / np.abs(y_ref).max()))
+  if bw:
+    t["hbm_fraction"] = expert_bytes / t["median_s"] / bw
+  out["decode"] = t
+  _log(f"pallas decode: {t['median_s'] * 1e3:.3f} ms, {t['gb_per_s']:.1f} GB/s")
+
+  flops_per_pair = 2 * (2 * i * d + d * i)
+  rng = np.random.default_rng(3)
+  rows = []
+  for t_count in (int(v) for v in FLAGS.tokens):
+    x = rng.standard_normal((t_count, d)).astype(np.float32)
+    ids = _routing(rng, t_count, s, k)
+    xj, idj, wj = jnp.asarray(x), jnp.asarray(ids), jnp.ones(ids.shape, jnp.float32)
+    row = dict(tokens=t_count, pairs=t_count * k)
+    try:  # one shape the kernel's tiling rejects must not hide the others
+      row.update(_time(lambda _, xj=xj, idj=idj, wj=wj: call(xj, idj, wj), repeats))
+      y = np.asarray(call(xj, idj, wj))
+      y_ref = cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i).sum(axis=1)
+      row.update(gflop_per_s=flops_per_pair * t_count * k / row["median_s"] / 1e9,
+                 max_rel_err_vs_numba=float(np.abs(y - y_ref).max() / np.abs(y_ref).max()))
+      _log(f"pallas grouped T={t_count}: {row['median_s']:.4f} s, "
+           f"{row['gflop_per_s']:.1f} GFLOP/s")
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = f"{type(e).__name__}: {e}"[:2000]
+    rows.append(row)
+  out["grouped"] = rows
+  report["pallas"] = out
+
+
 def main(argv):
   del argv
   d, i, g, k, s = (FLAGS.hidden, FLAGS.intermediate, FLAGS.group_size, FLAGS.top_k,
@@ -290,6 +347,12 @@ def main(argv):
   _decode(report, gu, dn, d, i, g, repeats)
   _grouped(report, gu, dn, d, i, g, k, repeats)
   _score_128(report, gu, dn, d, i, g, k, repeats)
+  accelerator = jax.default_backend() != "cpu"
+  if FLAGS.pallas == "interpret" or (FLAGS.pallas == "auto" and accelerator):
+    _pallas_rows(report, gu, dn, d, i, g, k, repeats, interpret=FLAGS.pallas == "interpret")
+  else:
+    report["pallas"] = ("not measured: no accelerator (--pallas=interpret runs the kernels "
+                        "interpreted, for a smoke test)" if not accelerator else "off (--pallas)")
   write_report(report, FLAGS.out or None)
 
 

@@ -10,7 +10,9 @@ interpret mode). Writes one JSON report, in under 8 minutes on one H200:
    `pallas_kernels.tuning.TABLE` (`tuning_candidates`);
 4. model-level Pallas against XLA (the store tests' pallas cases);
 5. bench_decode.py on a small synthetic store of GLM-5's real geometry (cold decode against its
-   physical limit).
+   physical limit);
+6. bench_experts.py at GLM-5 expert dims: the Pallas decode matvec (GB/s, fraction of HBM) and
+   grouped T = 16 / 128 / 1024 beside the host's numba kernel and DRAM bandwidth.
 
 Each check records its own failure instead of stopping the run.
 """
@@ -139,6 +141,25 @@ def decode_check(workdir: str) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def experts_check(workdir: str, extra: tuple[str, ...] = ()) -> dict:
+  """bench_experts at GLM-5 expert dims; the Pallas rows run because JAX has an accelerator."""
+  out = os.path.join(workdir, "bench_experts.json")
+  try:
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_experts.py"),
+                        f"--repeats={min(FLAGS.repeats, 10)}", "--skip_per_pair",
+                        "--wait_idle_s=0", f"--out={out}", *extra],
+                       capture_output=True, text=True, timeout=300)
+  except subprocess.TimeoutExpired:
+    return dict(ok=False, error="bench_experts.py ran past 300 s")
+  if r.returncode:
+    return dict(ok=False, stderr_tail=r.stderr[-3000:])
+  report = json.load(open(out))
+  pallas = report.get("pallas")
+  ok = isinstance(pallas, dict) and pallas["decode"]["max_rel_err_vs_numba"] <= RTOL and all(
+      "error" not in g and g["max_rel_err_vs_numba"] <= RTOL for g in pallas["grouped"])
+  return dict(ok=ok, report=report)
+
+
 def main(argv):
   del argv
   import jax
@@ -163,6 +184,7 @@ def main(argv):
     report["decode"] = decode_check(os.path.dirname(os.path.abspath(FLAGS.out)))
   except Exception as e:  # report, keep going
     report["decode"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+  report["experts"] = experts_check(os.path.dirname(os.path.abspath(FLAGS.out)))
   report["elapsed_s"] = time.time() - report.pop("started")
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=1)
@@ -170,7 +192,8 @@ def main(argv):
   placement_ok = all(p["ok"] for p in report["placement"])
   print(json.dumps({"kernels_ok": ok, "placement_ok": placement_ok, "bench_rc": r.returncode,
                     "model_rc": t.returncode, "decode_ok": report["decode"].get("ok"),
-                    "decode_ratio": report["decode"].get("report", {}).get("ratio")}))
+                    "decode_ratio": report["decode"].get("report", {}).get("ratio"),
+                    "experts_ok": report["experts"]["ok"]}))
 
 
 if __name__ == "__main__":
