@@ -287,3 +287,90 @@ def test_xla_custom_call_is_bitwise_the_cpu_kernel(bits, group):
   got = np.asarray(fn(x, ids, active))
   np.testing.assert_array_equal(got, want)
   assert (got[~active] == 0).all() and np.abs(got[active]).min(axis=-1).max() > 0
+
+
+def _pins_full_no_host(store, read_log):
+  """A model whose engine has two pin slots per layer, both taken, and no host cache; its
+  reads are logged to `read_log` as (layer, expert)."""
+  m = glmjax.load(store, progress=False, device_cache_gb=2 * 4 * chunk_bytes(store) / GB,
+                  host_cache_gb=0)
+  eng = m.engine
+  assert eng.prefetch and eng.host.budget == 0 and eng.slots > 0
+  for layer in eng.moe_layers:
+    dev = eng.device[layer]
+    for e in range(m.config.n_routed_experts):
+      slot = dev.free_slot()
+      if slot is None:
+        break
+      if e not in dev:
+        dev.install(e, eng.store.read(layer, e), slot)
+  read = eng.reader.read_fn
+
+  def logged(layer, expert):
+    read_log.append((layer, expert))
+    return read(layer, expert)
+  eng.reader.read_fn = logged
+  return m
+
+
+def _step_inputs(m, want):
+  """Hidden states for 6 tokens and routes in which every token chooses expert `want`."""
+  rng = np.random.default_rng(1)
+  d, e, k = m.config.hidden_size, m.config.n_routed_experts, m.config.num_experts_per_tok
+  x = jnp.asarray(rng.standard_normal((6, d)), jnp.float32)
+  others = [o for o in range(e) if o != want]
+  ids = np.stack([[want, *rng.permutation(others)[:k - 1]] for _ in range(6)]).astype(np.int32)
+  return x, jnp.asarray(ids)
+
+
+def test_a_prefetch_no_tier_can_hold_serves_its_step(embedded_store):
+  """With the pin pool full and no host cache a landed prefetch has nowhere to go. It used to
+  be dropped and the step read the expert again; the step now takes the read it has. The
+  terms are bitwise those of a run without prefetch, and the expert is read once."""
+  import concurrent.futures as cf
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0, host_cache_gb=0,
+                   prefetch=False) as plain:
+    reads = []
+    with _pins_full_no_host(embedded_store, reads) as m:
+      eng = m.engine
+      layer = eng.moe_layers[0]
+      want = next(e for e in range(m.config.n_routed_experts) if e not in eng.device[layer])
+      x, ids = _step_inputs(m, want)
+      eng.hint(layer, [want], PILOT)
+      cf.wait([eng.inflight[(layer, want)][0]])
+      before = eng.telemetry()
+      terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+      after = eng.telemetry()
+      assert reads.count((layer, want)) == 1, reads
+      assert after.get("prefetch_wasted", 0) == before.get("prefetch_wasted", 0)
+      assert after["prefetch_useful"] == before.get("prefetch_useful", 0) + 1
+      ref = plain.engine._tiered(layer, plain.engine.dense.layers[layer].mlp, x[None], x, ids,
+                                 None)
+      np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))
+
+
+def test_a_failed_prefetch_is_read_again_by_its_step(embedded_store):
+  """A prefetch that failed is not an error: the step that needs the expert reads it again."""
+  import concurrent.futures as cf
+  reads = []
+  with _pins_full_no_host(embedded_store, reads) as m:
+    eng = m.engine
+    layer = eng.moe_layers[0]
+    want = next(e for e in range(m.config.n_routed_experts) if e not in eng.device[layer])
+    logged = eng.reader.read_fn
+
+    def fail_once(l, e):
+      if (l, e) == (layer, want) and (l, e) not in reads:
+        reads.append((l, e))
+        raise OSError("transient")
+      return logged(l, e)
+    eng.reader.read_fn = fail_once
+    x, ids = _step_inputs(m, want)
+    eng.hint(layer, [want], PILOT)
+    cf.wait([eng.inflight[(layer, want)][0]])
+    before = eng.telemetry()
+    terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+    after = eng.telemetry()
+    assert reads.count((layer, want)) == 2  # the failed hint, then the step's own read
+    assert after["prefetch_failed"] == before.get("prefetch_failed", 0) + 1
+    assert np.abs(np.asarray(terms)).min(axis=-1).max() > 0

@@ -244,6 +244,20 @@ def test_prefetch_wasted():
   assert r["reads"] == 3 + 3
 
 
+def test_a_prefetch_with_no_room_serves_the_next_request():
+  """As in the engine: with no room to land, a prefetched read is held for layer 1's next
+  request, whose miss takes it instead of reading again; one that request does not use is
+  wasted."""
+  t = tiny([0, 0], [1, 2], [1, 3])
+  r = simulate(t, "lru", per_layer=0, prefetch=("pilot",), pilot_k=1)
+  # Every request misses. Reads: layer 0's two, the two prefetches, and step 1's expert 2
+  # (step 0's expert 1 came with its prefetch).
+  assert (r["misses"], r["reads"]) == (4, 5)
+  assert (r["prefetch_issued"], r["prefetch_useful"], r["prefetch_wasted"]) == (2, 1, 1)
+  late = simulate(t, "lru", per_layer=0, prefetch=("pilot",), pilot_k=1, io_per_layer=0)
+  assert (late["reads"], late["prefetch_late"], late["prefetch_useful"]) == (5, 1, 0)
+
+
 def test_prefetch_late_beyond_io_budget():
   t = tiny([[0, 1]], [[2, 3]], [[2, 3]])
   r = simulate(t, "lru", per_layer=4, prefetch=("pilot",), pilot_k=2, io_per_layer=10)

@@ -461,6 +461,8 @@ class OffloadEngine:
     for key, (fut, kind) in list(self.inflight.items()):
       if kind == DEMAND or not fut.done():
         continue
+      if key in protect and not self._can_land(key):
+        continue  # nowhere to keep it: this step's miss takes the read as it is (_account)
       del self.inflight[key]
       if fut.cancelled() or fut.exception() is not None:
         self.stats["prefetch_failed"] += 1  # a hint failing is not an error; demand retries
@@ -479,6 +481,16 @@ class OffloadEngine:
       else:
         self.stats["prefetch_wasted"] += 1
     self.slabs.flush()
+
+  def _can_land(self, key) -> bool:
+    """Whether a landed read of `key` has a tier to go to: host room for one expert, or a free
+    slot in its layer's pin pool."""
+    if self.host.budget >= self.store.layout(key[0]).nbytes:
+      return True
+    dev = self.device.get(key[0])
+    if isinstance(dev, MeshPins):
+      dev = dev.shard(key[1])
+    return dev is not None and dev.free_slot() is not None
 
   def _put_host(self, key, blob, protect=()) -> None:
     for victim in self.host.put(key, blob.nbytes, protect):
@@ -568,11 +580,17 @@ class OffloadEngine:
         pinned.append(e)
       elif self.host.touch((layer, e)):
         cached.append(e)
-      elif (layer, e) in self.inflight:  # a prefetch still loading: wait for it, no re-read
+      elif (layer, e) in self.inflight:  # a prefetch not landed: take its read, no re-read
         fut = self.inflight.pop((layer, e))[0]
-        self.reader.promote(fut)  # a hint still queued is now a demand
+        if not fut.done():  # still loading: wait for it
+          self.reader.promote(fut)  # a hint still queued is now a demand
+          self.stats["prefetch_late"] += 1
+        elif fut.cancelled() or fut.exception() is not None:
+          self.stats["prefetch_failed"] += 1  # a hint failing is not an error: read it again
+          fut = self.reader.submit(layer, e)
+        else:  # read in time, kept for this step because no tier could hold it (_land)
+          self.stats["prefetch_useful"] += 1
         futures[fut] = (layer, e)
-        self.stats["prefetch_late"] += 1
       else:
         futures[self.reader.submit(layer, e)] = (layer, e)  # every miss dispatched up front
     if self._predicting:

@@ -189,7 +189,9 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
   union, learned online; "mass": pilot ids up to softmax mass `mass`, default 0.9; "verify": the
   top `pilot_k` pilot ids of every position of a speculative verify pass, drafts included), fetched
   after layer j is served. io_per_layer: bytes a layer's compute hides; prefetches beyond it
-  arrive late (their demand counts as a miss, without a second read).
+  arrive late (their demand counts as a miss, without a second read). A prefetch with no room
+  to land (capacity 0, or every resident protected) is held for layer j+1's request, whose miss
+  takes it without a second read, as the engine does.
   Returns the counters: hits, misses, requests, hit_rate, reads, bytes_read, prefetch_*.
 
   policy="engine" replays the engine's two tiers under byte budgets instead
@@ -232,6 +234,7 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
   issued = useful = wasted = late_n = 0
   pending: set[int] = set()  # prefetched, resident, not yet requested
   late: set[int] = set()     # prefetched for the next request beyond the I/O budget
+  staged: set[int] = set()   # prefetched, no room to land: the next request's miss takes it
 
   for q in range(st.n_requests):
     j = q % l
@@ -250,6 +253,15 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
             late_n += 1
           else:
             useful += 1
+    if staged:  # as the engine does: a read with no tier to go to serves the step's miss
+      for k in staged.intersection(missed):
+        reads -= 1  # counted when issued
+        if k in late:
+          late_n += 1
+        else:
+          useful += 1
+      wasted += len(staged.difference(missed))
+      staged.clear()
     late.clear()
     misses += n_miss
     hits += len(ks) - n_miss
@@ -290,13 +302,15 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
             pending.add(k)
             if in_time is not None and i >= in_time:
               late.add(k)
-          else:
-            wasted += 1  # read, then dropped for want of room
+          else:  # no room: held for layer j+1's request, the next one
+            staged.add(k)
+            if in_time is not None and i >= in_time:
+              late.add(k)
     if j == l - 1:
       for c in (caches if total is None else caches[:1]):
         c.end_step(q // l)
 
-  wasted += len(pending)  # never requested by the end
+  wasted += len(pending) + len(staged)  # never requested by the end
   requests = hits + misses
   extra: dict = {}  # a policy's own counters, summed over its caches
   for c in (caches if total is None else caches[:1]):
