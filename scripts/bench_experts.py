@@ -220,14 +220,22 @@ def _routing(rng, t, s, k):
   return np.argsort(rng.random((t, s)), axis=1)[:, :k].astype(np.int32)
 
 
-def _grouped(report, gu, dn, d, i, g, k, repeats):
-  s = gu[0].shape[0]
-  flops_per_pair = 2 * (2 * i * d + d * i)
+def _grouped_problems(s, d, k):
+  """(T, x [T, D], top-k ids [T, K]) for each --tokens T; the same for every backend."""
   rng = np.random.default_rng(3)
-  rows = []
   for t_count in (int(v) for v in FLAGS.tokens):
     x = rng.standard_normal((t_count, d)).astype(np.float32)
-    ids = _routing(rng, t_count, s, k)
+    yield t_count, x, _routing(rng, t_count, s, k)
+
+
+def _flops_per_pair(d, i):
+  return 2 * (2 * i * d + d * i)  # gate_up [2I, D] and down [D, I] matvecs
+
+
+def _grouped(report, gu, dn, d, i, g, k, repeats):
+  flops_per_pair = _flops_per_pair(d, i)
+  rows = []
+  for t_count, x, ids in _grouped_problems(gu[0].shape[0], d, k):
     fn = lambda _, x=x, ids=ids: cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i)
     reps = repeats if t_count <= 256 else max(1, min(repeats, 2))
     t = _time(fn, reps)
@@ -304,12 +312,9 @@ def _pallas_rows(report, gu, dn, d, i, g, k, repeats, interpret):
   out["decode"] = t
   _log(f"pallas decode: {t['median_s'] * 1e3:.3f} ms, {t['gb_per_s']:.1f} GB/s")
 
-  flops_per_pair = 2 * (2 * i * d + d * i)
-  rng = np.random.default_rng(3)
+  flops_per_pair = _flops_per_pair(d, i)
   rows = []
-  for t_count in (int(v) for v in FLAGS.tokens):
-    x = rng.standard_normal((t_count, d)).astype(np.float32)
-    ids = _routing(rng, t_count, s, k)
+  for t_count, x, ids in _grouped_problems(s, d, k):
     xj, idj, wj = jnp.asarray(x), jnp.asarray(ids), jnp.ones(ids.shape, jnp.float32)
     row = dict(tokens=t_count, pairs=t_count * k)
     try:  # one shape the kernel's tiling rejects must not hide the others

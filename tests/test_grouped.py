@@ -323,11 +323,23 @@ def _step_inputs(m, want):
   return x, jnp.asarray(ids)
 
 
+def _hinted_step(m, layer, want):
+  """Hints `want` of `layer`, waits for the read, then runs one layer step that uses it:
+  (terms, telemetry before the step, telemetry after)."""
+  import concurrent.futures as cf
+  eng = m.engine
+  x, ids = _step_inputs(m, want)
+  eng.hint(layer, [want], PILOT)
+  cf.wait([eng.inflight[(layer, want)][0]])
+  before = eng.telemetry()
+  terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+  return terms, before, eng.telemetry()
+
+
 def test_a_prefetch_no_tier_can_hold_serves_its_step(embedded_store):
   """With the pin pool full and no host cache a landed prefetch has nowhere to go. It used to
   be dropped and the step read the expert again; the step now takes the read it has. The
   terms are bitwise those of a run without prefetch, and the expert is read once."""
-  import concurrent.futures as cf
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0, host_cache_gb=0,
                    prefetch=False) as plain:
     reads = []
@@ -335,15 +347,11 @@ def test_a_prefetch_no_tier_can_hold_serves_its_step(embedded_store):
       eng = m.engine
       layer = eng.moe_layers[0]
       want = next(e for e in range(m.config.n_routed_experts) if e not in eng.device[layer])
-      x, ids = _step_inputs(m, want)
-      eng.hint(layer, [want], PILOT)
-      cf.wait([eng.inflight[(layer, want)][0]])
-      before = eng.telemetry()
-      terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
-      after = eng.telemetry()
+      terms, before, after = _hinted_step(m, layer, want)
       assert reads.count((layer, want)) == 1, reads
       assert after.get("prefetch_wasted", 0) == before.get("prefetch_wasted", 0)
       assert after["prefetch_useful"] == before.get("prefetch_useful", 0) + 1
+      x, ids = _step_inputs(m, want)
       ref = plain.engine._tiered(layer, plain.engine.dense.layers[layer].mlp, x[None], x, ids,
                                  None)
       np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))
@@ -351,7 +359,6 @@ def test_a_prefetch_no_tier_can_hold_serves_its_step(embedded_store):
 
 def test_a_failed_prefetch_is_read_again_by_its_step(embedded_store):
   """A prefetch that failed is not an error: the step that needs the expert reads it again."""
-  import concurrent.futures as cf
   reads = []
   with _pins_full_no_host(embedded_store, reads) as m:
     eng = m.engine
@@ -365,12 +372,7 @@ def test_a_failed_prefetch_is_read_again_by_its_step(embedded_store):
         raise OSError("transient")
       return logged(l, e)
     eng.reader.read_fn = fail_once
-    x, ids = _step_inputs(m, want)
-    eng.hint(layer, [want], PILOT)
-    cf.wait([eng.inflight[(layer, want)][0]])
-    before = eng.telemetry()
-    terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
-    after = eng.telemetry()
+    terms, before, after = _hinted_step(m, layer, want)
     assert reads.count((layer, want)) == 2  # the failed hint, then the step's own read
     assert after["prefetch_failed"] == before.get("prefetch_failed", 0) + 1
     assert np.abs(np.asarray(terms)).min(axis=-1).max() > 0
