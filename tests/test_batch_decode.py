@@ -57,3 +57,42 @@ def test_dropped_row_leaves_the_others_alone(model, batch):
   while batch.live:
     batch.step()
   assert keep.out == solo
+
+
+def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store, caplog):
+  """On an expert store the batch compiles its [width, 1] steps when it is built, with a step
+  whose rows are all padding: nothing is read, counted or heated. Its first real steps then
+  compile no layer step or fused step (jax_log_compiles), and each row gives its solo tokens."""
+  import json
+  import logging
+  import os
+  import jax
+  chunk = json.load(open(os.path.join(embedded_store, "manifest.json")))[
+      "experts"]["main"]["layout"]["nbytes"]
+  with glmjax.load(embedded_store, progress=False, max_context=80, device_cache_gb=0,
+                   host_cache_gb=40 * chunk / 2**30) as m:
+    solo = [m.generate(p, N, stop_ids=[]).tokens for p in PROMPTS[:3]]
+    eng = m.engine
+    reads = []
+    read = eng.reader.read_fn
+    eng.reader.read_fn = lambda layer, e: reads.append((layer, e)) or read(layer, e)
+    before = (eng.telemetry(), dict(eng.heat.h), eng.heat.scale, eng.host.keys(),
+              eng._fused_ready)
+    batch = BatchDecoder(m, 3, 80)  # a width no other test compiles
+    assert (eng.telemetry(), dict(eng.heat.h), eng.heat.scale, eng.host.keys(),
+            eng._fused_ready) == before
+    assert reads == []
+    reqs = [m._request(_ids(m, p), N, stop_ids=[]) for p in PROMPTS[:3]]
+    for i, r in enumerate(reqs):
+      assert not batch.admit(_ids(m, PROMPTS[i]), r, tag=i)
+    jax.config.update("jax_log_compiles", True)
+    try:
+      with caplog.at_level(logging.WARNING, logger="jax"):
+        while batch.live:
+          batch.step()
+    finally:
+      jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not [c for c in compiled if "attn_route" in c or "fused_forward" in c], compiled
+    assert [r.out for r in reqs] == solo
+    assert eng.telemetry()["experts_used"] > before[0]["experts_used"]  # really offloaded

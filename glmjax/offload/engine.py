@@ -311,6 +311,7 @@ class OffloadEngine:
     self.fused = (self.on_cpu and cache_route is None and not self.all_resident and mesh is None
                   and len({store.layout(l) for l in self.moe_layers}) == 1)
     self._fused_ready = False
+    self._dry = False  # a precompile step: no fill, no fused attempt, no heat decay
     self._fused_compiled: dict = {}
     self._zero = fresh_start()  # a cache-less fused step's start (see forward)
     # A fused step run while every expert is held cannot miss: it returns without waiting for
@@ -563,7 +564,7 @@ class OffloadEngine:
     self.heat.use(layer, union)
     self.stats["experts_used"] += len(union)
     keys = {(layer, e) for e in union}
-    if self.prefetch:
+    if self.prefetch and not self._dry:  # a precompile step leaves the tiers alone
       self._land(protect=keys)
       for key in keys & self.landed_unused:
         self.landed_unused.discard(key)
@@ -783,11 +784,11 @@ class OffloadEngine:
     # With every expert held there is nothing to fetch: prediction (pilot, co-activation
     # learning and their statistics) pauses rather than cost time per layer.
     self._predicting = self.prefetch and not all_cached
-    if self._fill and not all_cached:
+    if self._fill and not all_cached and not self._dry:
       self._fill_host()
     guess = self._fused_ready and tokens.size <= FUSED_GUESS_TOKENS
     if self.fused and record is None and self.stage_s is None and expert_cap is None and (
-        guess or all_cached):
+        guess or all_cached) and not self._dry:
       out, cache = self._fused(tokens, cache, absorbed, n_valid, sure=all_cached)
     if out is None:
       misses = self.stats["expert_misses"]
@@ -798,10 +799,34 @@ class OffloadEngine:
       out = forward(self.dense, tokens, self.cfg, cache, absorbed, experts=experts,
                     steps=self._steps(n_valid), n_valid=n_valid,
                     route_args=self._route_args if aware else None, expert_cap=expert_cap)
-      self._fused_ready = self.stats["expert_misses"] == misses
-    if not self.all_resident and self._unsettled is None:  # else settle() decays, after the uses
-      self.heat.decay()
+      if not self._dry:
+        self._fused_ready = self.stats["expert_misses"] == misses
+    if not self.all_resident and self._unsettled is None and not self._dry:
+      self.heat.decay()  # else settle() decays, after the uses
     return out
+
+  def precompile(self, tokens, cache: KVCache, absorbed: bool = True) -> KVCache:
+    """Compiles the steps of a `tokens` `[B, S]` shape ahead of its first real step (a
+    server's batch would otherwise stall on them): runs one step whose rows are all padding
+    through the layer steps (padding routes nothing, so nothing is read), and compiles the
+    fused step for it without running it. Counters, heat and the fused-step state are left
+    as they were. Returns the new cache (`cache` is donated); its rows hold nothing valid."""
+    self.settle()
+    saved = (collections.Counter(self.stats), self._fused_ready, self._prev_union)
+    n_valid = np.zeros(tokens.shape[0], np.int32)
+    self._dry = True
+    try:
+      _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
+      if self.fused:
+        compiled, args = self._fused_executable(jnp.asarray(tokens, jnp.int32), cache, absorbed,
+                                                n_valid)
+        cache = compiled(*args)[2]
+        # after a void fused attempt the layer steps take the fused step's cache
+        _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
+    finally:
+      self._dry = False
+      self.stats, self._fused_ready, self._prev_union = saved
+    return cache
 
   def _steps(self, n_valid=None):
     """The jitted pieces, each timed into `stage_s` (waiting for its results) when on; while
@@ -891,6 +916,25 @@ class OffloadEngine:
     """Tries the step as one jit over the tiers (`fused_forward`). On success applies the same
     tier bookkeeping as the layer-by-layer path, layer by layer in union order, and returns
     (output, None); when a routed expert was not cached returns (None, cache) to re-run."""
+    compiled, args = self._fused_executable(tokens, cache, absorbed, n_valid)
+    logits, x, new_cache, record = compiled(*args)
+    valid = valid_rows(tokens.shape, n_valid)
+    if sure:  # nothing can be missing: settled later, so this call does not wait for the step
+      self.stats["fused_steps"] += 1
+      self._unsettled = (record, tokens.size, valid)
+      return (logits, x, new_cache), None
+    missed, ids = self._split_record(record, tokens.size)
+    if missed:
+      self._fused_ready = False
+      self.stats["fused_void"] += 1
+      return None, new_cache
+    self.stats["fused_steps"] += 1
+    self._settle_fused(ids, valid)
+    return (logits, x, new_cache), None
+
+  def _fused_executable(self, tokens, cache, absorbed, n_valid):
+    """(`fused_forward` compiled for this step's shapes, its arguments), compiled once per
+    shape ahead of the call, so its time is accounted apart (`fused_compile_s`)."""
     n_layers = self.cfg.num_hidden_layers
     slab = self.slabs.slabs.get(self.layout)
     dev = jax.devices()[0]
@@ -911,24 +955,11 @@ class OffloadEngine:
     # whole, the pin pools have fixed slots).
     key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape,
            None if nv is None else nv.shape, slab is None, absorbed)
-    if key not in self._fused_compiled:  # compiled ahead, so its time is accounted apart
+    if key not in self._fused_compiled:
       t0 = time.perf_counter()
       self._fused_compiled[key] = fused_forward.lower(*args, **static).compile()
       self.stats["fused_compile_s"] += time.perf_counter() - t0
-    logits, x, new_cache, record = self._fused_compiled[key](*args)
-    valid = valid_rows(tokens.shape, n_valid)
-    if sure:  # nothing can be missing: settled later, so this call does not wait for the step
-      self.stats["fused_steps"] += 1
-      self._unsettled = (record, tokens.size, valid)
-      return (logits, x, new_cache), None
-    missed, ids = self._split_record(record, tokens.size)
-    if missed:
-      self._fused_ready = False
-      self.stats["fused_void"] += 1
-      return None, new_cache
-    self.stats["fused_steps"] += 1
-    self._settle_fused(ids, valid)
-    return (logits, x, new_cache), None
+    return self._fused_compiled[key], args
 
   def _split_record(self, record, n_tokens: int) -> tuple[bool, np.ndarray]:
     """`fused_forward`'s record → (whether any pair missed, ids `[M, T, K]`)."""

@@ -65,11 +65,15 @@ class BatchDecoder:
     self.cache = init_cache(model.config, width, self.capacity)
     self.rows: list[Row | None] = [None] * width
     self._step = None
-    if not model.offloaded:  # compiled at start-up: the one decode shape of the batch
-      tok = jnp.zeros((width, 1), jnp.int32)
+    # Compiled at start-up, so the first requests that share the batch do not stall on it:
+    # the one decode shape of the batch.
+    tok = jnp.zeros((width, 1), jnp.int32)
+    if not model.offloaded:
       n = jnp.zeros((width,), jnp.int32)
       self._step = decode_fn.lower(model.weights, self._cache(), tok, n_valid=n, cfg=model.config,
                                    kernel=model.options.moe_kernel).compile()
+    else:  # the engine's layer steps (and fused step) for [width, 1]; its tiers stay as they are
+      self.cache = KVCache(model.engine.precompile(tok, self._cache()).layers, None)
 
   # --- state ---------------------------------------------------------------------------------
   @property
