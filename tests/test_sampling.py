@@ -379,3 +379,52 @@ def test_sample_with_params_applies_penalty():
   prm = S.SamplingParams(temperature=0.0, repetition_penalty=2.0)
   assert int(S.sample_with(jax.random.key(0), x, prm)[0]) == 0
   assert int(S.sample_with(jax.random.key(0), x, prm, jnp.asarray([[0]]))[0]) == 1
+
+
+# --- TokenPicker: run-time knobs ----------------------------------------------------------------
+
+PICKER_SETTINGS = [
+    dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=0.9, top_p=0.8),
+    dict(temperature=1.1, top_k=7, top_p=0.9, min_p=0.05), dict(temperature=0.6, min_p=0.2),
+    dict(temperature=1.0, top_k=300), dict(temperature=0.8, repetition_penalty=1.7),
+]
+
+
+@pytest.mark.parametrize("kw", PICKER_SETTINGS)
+def test_picker_equals_sampling_with_static_knobs(kw):
+  """The picker passes its knobs at run time; its tokens, distribution and penalty are those of
+  `sample` / `probs` / `apply_repetition_penalty` given the same settings as Python numbers."""
+  params = S.SamplingParams(**kw)
+  seen = [3, 17, 17, 400]
+  picker = S.TokenPicker(params, 512, seen, seed=5)
+  knobs = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+               min_p=params.min_p)
+  static = tuple(knobs)
+  penalize = jax.jit(S.apply_repetition_penalty, static_argnames=("penalty",))
+  sample = jax.jit(S.sample, static_argnames=static)
+  probs = jax.jit(S.probs, static_argnames=static)
+  key = jax.random.PRNGKey(5)
+  for row in RNG.standard_normal((6, 512)).astype(np.float32):
+    x = jnp.asarray(row)
+    pen = penalize(x, jnp.asarray(seen), penalty=params.repetition_penalty)
+    np.testing.assert_array_equal(picker.probs(x), np.asarray(probs(pen, **knobs), np.float64))
+    key, sub = jax.random.split(key)
+    assert picker.pick(x) == int(sample(sub, pen, **knobs))
+
+
+def test_picker_compiles_once_for_every_knob_value():
+  """New temperature, top-p, min-p, top-k (within the pre-selection) and penalty values reuse
+  the compiled sampler: only which filters are on is static."""
+  x = jnp.asarray(RNG.standard_normal(512).astype(np.float32))
+
+  def run(**kw):
+    picker = S.TokenPicker(S.SamplingParams(**kw), 512, [1, 2], seed=0)
+    picker.pick(x)
+    picker.probs(x)
+
+  run(temperature=0.5, top_k=10, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
+  sizes = [f._cache_size() for f in (S._sample_jit, S._probs_jit, S._penalize_jit)]
+  for t, k, p, m, r in ((0.6, 11, 0.95, 0.02, 1.2), (1.7, 200, 0.3, 0.5, 3.0),
+                        (0.01, 1, 0.999, 0.9, 1.01)):
+    run(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r)
+  assert [f._cache_size() for f in (S._sample_jit, S._probs_jit, S._penalize_jit)] == sizes

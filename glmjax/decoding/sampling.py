@@ -356,21 +356,38 @@ def sample_with(key: jax.Array, logits: jax.Array, params: SamplingParams,
 
 # --- the per-request token picker ------------------------------------------------------------
 
-# The sampler's knobs are static: one compile per setting, then one dispatch per token (eager
-# execution of the same ops cost ~200 ms per token on CPU).
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
-def _sample_jit(key, logits, temperature, top_k, top_p, min_p):
-  return sample(key, logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+# The picker's sampler is one jitted call per token (eager execution of the same ops cost
+# ~200 ms per token on CPU). Its knobs are run-time values, so a request with any temperature,
+# top-p, min-p or penalty reuses the compiled call: a server's clients choose them freely.
+# Only `stages` is static: which filters are on (one that is off costs nothing) and a top-k
+# beyond the pre-selection, which sets the candidates' shape.
+@functools.partial(jax.jit, static_argnames=("stages",))
+def _sample_jit(key, logits, knobs, stages):
+  return sample(key, logits, *_knob_args(knobs, stages))
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
-def _probs_jit(logits, temperature, top_k, top_p, min_p):
-  return probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+@functools.partial(jax.jit, static_argnames=("stages",))
+def _probs_jit(logits, knobs, stages):
+  return probs(logits, *_knob_args(knobs, stages))
 
 
-@functools.partial(jax.jit, static_argnames=("penalty",))
+@jax.jit
 def _penalize_jit(logits, seen, penalty):
   return apply_repetition_penalty(logits[None], seen[None], penalty)[0]
+
+
+def _stages(params: SamplingParams) -> tuple:
+  """(top_k: 0 off, None run-time, or a static k > PRESELECT; top_p on; min_p on)."""
+  k = params.top_k
+  return (0 if k == 0 else None if k <= PRESELECT else k), params.top_p < 1.0, params.min_p > 0.0
+
+
+def _knob_args(knobs, stages):
+  """(temperature, top_k, top_p, min_p) for `sample`/`probs`: run-time scalars, with the off
+  filters as their static off values."""
+  temperature, top_k, top_p, min_p = knobs
+  k, p_on, m_on = stages
+  return temperature, top_k if k is None else k, top_p if p_on else 1.0, min_p if m_on else 0.0
 
 
 class TokenPicker:
@@ -396,10 +413,15 @@ class TokenPicker:
     self.seen[tok] = True
 
   def _adjusted(self, logits):
-    penalty = float(self.params.repetition_penalty)
+    penalty = self.params.repetition_penalty
     if penalty == 1.0:
       return logits
-    return _penalize_jit(logits, jnp.asarray(self.seen), penalty)
+    return _penalize_jit(logits, jnp.asarray(self.seen), np.float32(penalty))
+
+  def _knobs(self):
+    p = self.params
+    return (np.float32(p.temperature), np.int32(p.top_k), np.float32(p.top_p),
+            np.float32(p.min_p)), _stages(p)
 
   def pick(self, logits) -> int:
     """The next token from logits `[V]`."""
@@ -407,9 +429,8 @@ class TokenPicker:
     if self.greedy:
       return int(jnp.argmax(logits))
     self.key, sub = jax.random.split(self.key)
-    p = self.params
-    return int(_sample_jit(sub, logits, float(p.temperature), int(p.top_k), float(p.top_p),
-                           float(p.min_p)))
+    knobs, stages = self._knobs()
+    return int(_sample_jit(sub, logits, knobs, stages))
 
   def probs(self, logits) -> np.ndarray:
     """float64 `[V]`: the distribution `pick` samples from (one-hot at the argmax if greedy)."""
@@ -418,6 +439,5 @@ class TokenPicker:
       out = np.zeros(logits.shape[-1])
       out[int(jnp.argmax(logits))] = 1.0
       return out
-    p = self.params
-    return np.asarray(_probs_jit(logits, float(p.temperature), int(p.top_k), float(p.top_p),
-                                 float(p.min_p)), np.float64)
+    knobs, stages = self._knobs()
+    return np.asarray(_probs_jit(logits, knobs, stages), np.float64)
