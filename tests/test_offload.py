@@ -194,38 +194,46 @@ def test_budget_refusals(store):
     glmjax.load(path, progress=False, host_cache_gb=-1)
 
 
-# Peak RSS growth of one engine, measured after a warm-up engine has compiled every step shape
-# (compilation peaks would otherwise dominate), by resetting the peak (VmHWM) through
-# /proc/self/clear_refs. ru_maxrss is no use here: it survives exec, so a child of the large
-# pytest process reports the parent's peak.
+# Peak RSS growth of one engine per budget, measured after a warm-up engine has compiled every
+# step shape at that budget (compilation peaks would otherwise dominate), by resetting the peak
+# (VmHWM) through /proc/self/clear_refs. One process measures the budgets in the order given,
+# each warm-up and measured engine freed before the next budget's warm-up: memory a smaller
+# budget's run leaves in the allocator can only hide growth of a later, larger one, whose check
+# is a lower bound. ru_maxrss is no use here: it survives exec, so a child of the large pytest
+# process reports the parent's peak.
 _RSS_SCRIPT = """
 import gc, sys, glmjax, numpy as np
 def status(key):
   return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
 toks = np.random.default_rng(0).integers(3, 90, size=(1, 64)).astype(np.int32)
-warm = glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=float(sys.argv[2]),
-                   prefetch=False)
-for _ in range(2):
-  warm.score(toks)
-del warm
-gc.collect()
-start = status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-m = glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=float(sys.argv[2]),
-                prefetch=False)
-for _ in range(3):
-  m.score(toks)
-print(status("VmHWM") - start, m.engine.host.used)
+def engine(host_gb):
+  return glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=host_gb,
+                     prefetch=False)
+for host_gb in [float(b) for b in sys.argv[2:]]:
+  warm = engine(host_gb)
+  for _ in range(2):
+    warm.score(toks)
+  del warm
+  gc.collect()
+  start = status("VmRSS")
+  open("/proc/self/clear_refs", "w").write("5")
+  m = engine(host_gb)
+  for _ in range(3):
+    m.score(toks)
+  print("RSS", status("VmHWM") - start, m.engine.host.used)
+  m.close()
+  del m
+  gc.collect()
 """
 
 
-def _peak_rss(path, host_gb):
-  """(peak RSS growth of a measured engine in bytes, bytes its host cache holds)."""
-  r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, path, str(host_gb)],
+def _peak_rss(path, *host_gb):
+  """[(peak RSS growth of a measured engine in bytes, bytes its host cache holds)] per budget."""
+  r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, path, *map(str, host_gb)],
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
-  growth, cached = r.stdout.strip().splitlines()[-1].split()
-  return int(growth), int(cached)
+  rows = [l.split()[1:] for l in r.stdout.splitlines() if l.startswith("RSS ")]
+  return [(int(growth), int(cached)) for growth, cached in rows]
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +266,7 @@ def test_peak_rss_within_budget(big_store):
   # plus 32 MB for dequantization temporaries, the engine's dense weights and allocator slack.
   # Observed growth at an 8 MB budget: 36–54 MB.
   margin = 2 * 64 * chunk + (32 << 20)
-  capped, capped_cached = _peak_rss(path, budget / GB)
-  everything, cached = _peak_rss(path, 1.0)
+  (capped, capped_cached), (everything, cached) = _peak_rss(path, budget / GB, 1.0)
   print(f"peak RSS growth: {capped / 2**20:.1f} MB at an 8 MB budget (bound "
         f"{(budget + margin) / 2**20:.1f}), {everything / 2**20:.1f} MB caching {cached / 2**20:.1f} MB")
   assert capped_cached <= budget
