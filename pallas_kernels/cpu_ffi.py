@@ -23,6 +23,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from pallas_kernels import cpu
@@ -93,6 +94,16 @@ def _address(typingctx, addr):
   return types.voidptr(types.int64), codegen
 
 
+@intrinsic
+def _readonly(typingctx, arr):
+  """The same array typed read-only. The kernel's inputs then have the types the Python entry
+  points give them (`cpu._readonly`), so the handler and `cpu.pool_terms` share one compiled
+  specialization of every kernel function instead of compiling each twice."""
+  def codegen(context, builder, sig, args):
+    return impl_ret_borrowed(context, builder, sig.return_type, args[0])
+  return arr.copy(readonly=True)(arr), codegen
+
+
 @njit(cache=True)
 def _words(addr, n):
   return carray(_address(addr), (n,), np.int64)
@@ -133,8 +144,8 @@ def _ffi_handler(frame):
   ids = carray(_buffer_data(args[6]), (t * k,), np.int32)
   active = carray(_buffer_data(args[7]), (t * k,), np.uint8)
   out = carray(_buffer_data(rets[0]), (t * k, hidden), np.float32)
-  _pool_terms_core(t, k, hidden, inter, bits, g, np.int64(meta[7]), x, gp, gs, dp, ds, ids,
-                   active, out)
+  _pool_terms_core(t, k, hidden, inter, bits, g, np.int64(meta[7]), _readonly(x),
+                   _readonly(gp), _readonly(gs), _readonly(dp), _readonly(ds), ids, active, out)
   return 0
 
 

@@ -26,32 +26,77 @@ def pytest_configure(config):
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
   if getattr(config, "glmjax_owns_xla_cache", False):
-    _warm_cpu_kernels()
+    _start_kernel_warmup()
 
 
-def _warm_cpu_kernels():
-  """Compiles the numba CPU kernels into numba's on-disk cache (`cache=True`) once, before
-  xdist starts its workers: on a fresh clone both workers and the first scripts would otherwise
-  each compile them (~13 s of a core each) at the same time."""
-  import numpy as np
-  from glmjax.model import quant
-  from pallas_kernels import cpu, cpu_ffi  # noqa: F401  (cpu_ffi compiles its handler on import)
-  rng = np.random.default_rng(0)
-  for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):  # both decoders, odd sizes
-    pool = quant.stack_experts([quant.quantize_expert(
-        rng.standard_normal((i, d)), rng.standard_normal((i, d)), rng.standard_normal((d, i)),
-        bits, group) for _ in range(2)])
-    arrs = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
-    kw = dict(bits=bits, group_size=group, hidden=d, intermediate=i)
-    for t in (1, 3, 17):  # the decode (matvec) and grouped variants
-      x = rng.standard_normal((t, d)).astype(np.float32)
-      cpu.expert_ffn(x, *(a[0] for a in arrs), **kw)
-      cpu.pool_terms(x, *arrs, np.zeros((t, 2), np.int64), None, **kw)
+# Compiles the CPU kernels' Python entry points for both decoders (int4 and int8, odd sizes),
+# their decode (matvec) and grouped variants.
+_WARM_KERNELS = """
+import numpy as np
+from glmjax.model import quant
+from pallas_kernels import cpu
+rng = np.random.default_rng(0)
+for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):
+  pool = quant.stack_experts([quant.quantize_expert(
+      rng.standard_normal((i, d)), rng.standard_normal((i, d)), rng.standard_normal((d, i)),
+      bits, group) for _ in range(2)])
+  arrs = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
+  kw = dict(bits=bits, group_size=group, hidden=d, intermediate=i)
+  for t in (1, 3, 17):
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    cpu.expert_ffn(x, *(a[0] for a in arrs), **kw)
+    cpu.pool_terms(x, *arrs, np.zeros((t, 2), np.int64), None, **kw)
+from pallas_kernels import cpu_ffi  # the custom call's handler: it reuses what compiled above
+"""
+
+
+def _start_kernel_warmup():
+  """Compiles the numba CPU kernels into numba's on-disk cache (`cache=True`) once per run, in
+  a background process that xdist's workers start and collect beside; each worker waits for
+  it before its first test (`_cpu_kernels_compiled`). On a fresh clone both workers and the
+  first scripts would otherwise each compile them (~25 s of a core each) at the same time. The
+  outcome is a file in GLMJAX_TEST_WARMUP: `ready`, or `failed` holding the process's errors."""
+  import subprocess
+  import sys
+  import threading
+  marks = tempfile.mkdtemp(prefix="glmjax-test-warmup-")
+  os.environ["GLMJAX_TEST_WARMUP"] = marks
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.Popen([sys.executable, "-c", _WARM_KERNELS], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+  def wait():
+    _, err = proc.communicate()
+    name = "failed" if proc.returncode else "ready"
+    with open(os.path.join(marks, name + ".tmp"), "w") as f:
+      f.write(err if proc.returncode else "")
+    os.replace(os.path.join(marks, name + ".tmp"), os.path.join(marks, name))
+
+  threading.Thread(target=wait, daemon=True).start()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_compiled():
+  """Waits for the run's kernel warm-up (`_start_kernel_warmup`) before this process's first
+  test; it fails the test, with the compiler's error, if the warm-up failed."""
+  import time
+  marks = os.environ.get("GLMJAX_TEST_WARMUP")
+  if marks is None:  # no warm-up in this run (the suite's controller did not start one)
+    return
+  deadline = time.monotonic() + 900
+  while not os.path.exists(os.path.join(marks, "ready")):
+    failed = os.path.join(marks, "failed")
+    if os.path.exists(failed):
+      pytest.fail("compiling the numba CPU kernels failed:\n" + open(failed).read())
+    if time.monotonic() > deadline:
+      pytest.fail("the numba CPU kernels' warm-up did not finish within 900 s")
+    time.sleep(0.05)
 
 
 def pytest_unconfigure(config):
   if getattr(config, "glmjax_owns_xla_cache", False):
     shutil.rmtree(os.environ.pop("GLMJAX_TEST_XLA_CACHE"), ignore_errors=True)
+    shutil.rmtree(os.environ.pop("GLMJAX_TEST_WARMUP", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
