@@ -30,6 +30,9 @@ flags.DEFINE_list("prefetch", [], "Prefetch models (pilot, couple, mass, verify:
 flags.DEFINE_integer("pilot_k", 6, "Pilot ids prefetched per position.")
 flags.DEFINE_integer("couple_k", 4, "Co-activation prefetches per layer.")
 flags.DEFINE_float("mass", None, "Softmax mass of the mass prefetch model (default 0.9).")
+flags.DEFINE_enum("land", "evict", ["evict", "free"], "How prefetches enter the cache: evict "
+                  "(admitted by the policy, evicting) or free (only into free slots, held for "
+                  "the next request otherwise: the engine's rule).")
 flags.DEFINE_bool("per_token", False, "Replay each position as its own step.")
 flags.DEFINE_string("out", None, "Output directory.")
 flags.mark_flag_as_required("trace")
@@ -115,9 +118,10 @@ def run() -> int:
       else:
         pf = tuple(FLAGS.prefetch) if POLICIES[p].prefetch_ok else ()
         r = simulate(trace, p, per_layer=c, prefetch=pf, pilot_k=FLAGS.pilot_k,
-                     couple_k=FLAGS.couple_k, mass=FLAGS.mass, per_token=FLAGS.per_token)
+                     couple_k=FLAGS.couple_k, mass=FLAGS.mass, land=FLAGS.land,
+                     per_token=FLAGS.per_token)
       r["seconds"] = round(time.perf_counter() - t0, 3)
-      r["label"] = "+".join([p, *pf])
+      r["label"] = "+".join([p, *pf, *(["free"] if pf and FLAGS.land == "free" else [])])
       records.append(r)
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -376,3 +376,47 @@ def test_a_failed_prefetch_is_read_again_by_its_step(embedded_store):
     assert reads.count((layer, want)) == 2  # the failed hint, then the step's own read
     assert after["prefetch_failed"] == before.get("prefetch_failed", 0) + 1
     assert np.abs(np.asarray(terms)).min(axis=-1).max() > 0
+
+
+def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
+  """With the host cache full, finished prefetches are held instead of landing by eviction:
+  the cache keeps every expert it had. The layer's next step takes the one it uses (read once,
+  bitwise the terms without prefetch) and drops the others as wasted, their bytes counted."""
+  import concurrent.futures as cf
+  chunk = chunk_bytes(embedded_store)
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
+                   host_cache_gb=0, prefetch=False) as plain, \
+      glmjax.load(embedded_store, progress=False, device_cache_gb=0,
+                  host_cache_gb=6 * chunk / GB) as m:
+    eng = m.engine
+    layer = eng.moe_layers[0]
+    e = m.config.n_routed_experts
+    for x in range(6):  # fill the host cache through the engine's own inserts
+      eng._put_host((layer, x), eng.store.read_chunk(layer, x))
+    eng.slabs.flush()
+    assert eng.host.used + chunk > eng.host.budget  # full: a landing would have to evict
+    held = eng.host.keys()
+    want, guesses = 6, [7, 8, 9]
+    eng.hint(layer, [want, *guesses], PILOT)
+    cf.wait([eng.inflight[(layer, g)][0] for g in [want, *guesses]])
+    eng._land(protect=set())
+    assert eng.host.keys() == held  # nothing evicted, nothing landed
+    assert {(layer, g) for g in [want, *guesses]} <= set(eng.inflight)
+    eng.pilot_k = eng.couple_k = 0  # the step below hints nothing for the next layer
+    reads = []
+    read = eng.reader.read_fn
+    eng.reader.read_fn = lambda l, x: reads.append((l, x)) or read(l, x)
+    before = eng.telemetry()
+    x, _ = _step_inputs(m, want)
+    ids = jnp.asarray([[want, 0, 1, 2]] * 6, jnp.int32)  # the held read and cached experts
+    terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+    after = eng.telemetry()
+    assert reads == []  # the held read served the step
+    assert after["prefetch_useful"] - before.get("prefetch_useful", 0) == 1
+    assert after["prefetch_wasted"] - before.get("prefetch_wasted", 0) == len(guesses)
+    assert not any(k[0] == layer for k in eng.inflight)  # the step dropped the unused ones
+    read_now = after["expert_bytes_read"] - before.get("expert_bytes_read", 0)
+    assert read_now == (1 + len(guesses)) * chunk  # the wasted guesses' bytes count too
+    ref = plain.engine._tiered(layer, plain.engine.dense.layers[layer].mlp, x[None], x, ids,
+                               None)
+    np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))

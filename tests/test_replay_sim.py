@@ -244,6 +244,31 @@ def test_prefetch_wasted():
   assert r["reads"] == 3 + 3
 
 
+def test_prefetch_landing_into_free_room_never_evicts():
+  """land="free" (the engine's rule): a prefetch enters only a free slot; with the cache full
+  it is held for its layer's next request. Layer 1 holds one expert; pilots 2, 3, 0.
+  evict: step 0's 2 lands, request 1 evicts it; step 1's 3 evicts 1 and is hit; step 2's 0
+  evicts 3, whose request then misses again: 6 reads.
+  free: step 0's 2 lands in the empty slot, request 1 evicts it; step 1's 3 finds the slot
+  full and is held, request 3 misses and takes it (no second read); step 2's 0 is held and
+  wasted, and request 3 hits the expert the guess would have evicted: 5 reads."""
+  t = tiny([0, 0, 0], [1, 3, 3], [2, 3, 0])
+  kw = dict(per_layer=1, prefetch=("pilot",), pilot_k=1)
+  evict = simulate(t, "lru", **kw)  # the default
+  free = simulate(t, "lru", land="free", **kw)
+  assert evict == simulate(t, "lru", land="evict", **kw)
+  assert (evict["reads"], free["reads"]) == (6, 5)
+  assert evict["layer_misses"] == free["layer_misses"] == [1, 2]
+  for r in (evict, free):
+    assert (r["prefetch_issued"], r["prefetch_useful"], r["prefetch_wasted"]) == (3, 1, 2)
+  # With room for everything, free and evict land alike.
+  roomy = dict(per_layer=4, prefetch=("pilot",), pilot_k=1)
+  assert {**simulate(t, "lru", land="free", **roomy), "land": "evict"} == simulate(
+      t, "lru", **roomy)
+  with pytest.raises(InputError, match="land"):
+    simulate(t, "lru", land="drop", **kw)
+
+
 def test_a_prefetch_with_no_room_serves_the_next_request():
   """As in the engine: with no room to land, a prefetched read is held for layer 1's next
   request, whose miss takes it instead of reading again; one that request does not use is

@@ -458,12 +458,15 @@ class OffloadEngine:
       self.stats["prefetch_issued"] += 1
 
   def _land(self, protect) -> None:
-    """Moves finished prefetches into the host cache (and free device slots)."""
+    """Moves finished prefetches into free room: the host cache's unused bytes, or a free
+    slot of their layer's pin pool. A prefetch never evicts a cached expert: one that finds
+    no room is held (in `inflight`) for its layer's next step, whose miss takes the read, and
+    is dropped if that step does not use it (`_expire`). Landing by eviction let wrong guesses
+    push out what the next tokens needed: prefetch then read about twice the bytes per token
+    of no prefetch at every partial budget (BUILD_NOTES §12)."""
     for key, (fut, kind) in list(self.inflight.items()):
-      if kind == DEMAND or not fut.done():
+      if kind == DEMAND or not fut.done() or not self._room_for(key):
         continue
-      if key in protect and not self._can_land(key):
-        continue  # nowhere to keep it: this step's miss takes the read as it is (_account)
       del self.inflight[key]
       if fut.cancelled() or fut.exception() is not None:
         self.stats["prefetch_failed"] += 1  # a hint failing is not an error; demand retries
@@ -483,15 +486,27 @@ class OffloadEngine:
         self.stats["prefetch_wasted"] += 1
     self.slabs.flush()
 
-  def _can_land(self, key) -> bool:
-    """Whether a landed read of `key` has a tier to go to: host room for one expert, or a free
-    slot in its layer's pin pool."""
-    if self.host.budget >= self.store.layout(key[0]).nbytes:
+  def _room_for(self, key) -> bool:
+    """Whether `key` can land without evicting anything: free host-cache bytes for it, or a
+    free slot in its layer's pin pool."""
+    if self.host.used + self.store.layout(key[0]).nbytes <= self.host.budget:
       return True
     dev = self.device.get(key[0])
     if isinstance(dev, MeshPins):
       dev = dev.shard(key[1])
     return dev is not None and dev.free_slot() is not None
+
+  def _expire(self, layer: int) -> None:
+    """Drops the finished prefetches of `layer` still held for want of room: its step has
+    come and did not use them."""
+    for key, (fut, kind) in list(self.inflight.items()):
+      if key[0] == layer and kind != DEMAND and fut.done():
+        del self.inflight[key]
+        if fut.cancelled() or fut.exception() is not None:
+          self.stats["prefetch_failed"] += 1
+        else:
+          self.stats["prefetch_wasted"] += 1
+          self.stats["expert_bytes_read"] += fut.result().nbytes  # read, and for nothing
 
   def _put_host(self, key, blob, protect=()) -> None:
     for victim in self.host.put(key, blob.nbytes, protect):
@@ -589,11 +604,13 @@ class OffloadEngine:
         elif fut.cancelled() or fut.exception() is not None:
           self.stats["prefetch_failed"] += 1  # a hint failing is not an error: read it again
           fut = self.reader.submit(layer, e)
-        else:  # read in time, kept for this step because no tier could hold it (_land)
+        else:  # read in time, held for this step because it found no room (_land)
           self.stats["prefetch_useful"] += 1
         futures[fut] = (layer, e)
       else:
         futures[self.reader.submit(layer, e)] = (layer, e)  # every miss dispatched up front
+    if self.inflight:
+      self._expire(layer)
     if self._predicting:
       self._predict(layer, union, self._next_moe(layer), pilot)
       if self._prev_union is not None and self._prev_union[0] < layer:
@@ -1004,6 +1021,8 @@ class OffloadEngine:
         else:  # admissions copy slab → pin and landings protect the union: never evicted
           raise RuntimeError(f"internal: layer {layer} expert {e} served by a fused step is in "
                              "no tier")
+      if self.inflight:
+        self._expire(layer)
       if self.landed_unused:
         for e in union:
           if (layer, e) in self.landed_unused:

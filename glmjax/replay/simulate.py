@@ -179,8 +179,8 @@ def _check(trace, policy, per_layer, total, prefetch, pilot_k, couple_k, mass, i
 def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
              total: int | None = None, prefetch=(), pilot_k: int = 6, couple_k: int = 4,
              mass: float | None = None, per_token: bool = False,
-             io_per_layer: int | None = None, device_cache_gb: float | None = None,
-             host_cache_gb: float | None = None) -> dict:
+             io_per_layer: int | None = None, land: str = "evict",
+             device_cache_gb: float | None = None, host_cache_gb: float | None = None) -> dict:
   """Replays `trace` through a cache run by `policy` (a key of `POLICIES`).
 
   per_layer=c: each MoE layer has its own cache of c experts; total=n: one cache of n experts
@@ -189,9 +189,12 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
   union, learned online; "mass": pilot ids up to softmax mass `mass`, default 0.9; "verify": the
   top `pilot_k` pilot ids of every position of a speculative verify pass, drafts included), fetched
   after layer j is served. io_per_layer: bytes a layer's compute hides; prefetches beyond it
-  arrive late (their demand counts as a miss, without a second read). A prefetch with no room
-  to land (capacity 0, or every resident protected) is held for layer j+1's request, whose miss
-  takes it without a second read, as the engine does.
+  arrive late (their demand counts as a miss, without a second read). land: how a prefetch
+  enters layer j+1's cache; "evict" admits it by the policy's rule, evicting as a miss would;
+  "free" only into free slots, never evicting (the engine's rule). A prefetch that does not
+  land (no free slot under "free"; capacity 0, or every resident protected) is held for layer
+  j+1's request, whose miss takes it without a second read, as the engine does, and is wasted
+  if that request does not use it.
   Returns the counters: hits, misses, requests, hit_rate, reads, bytes_read, prefetch_*.
 
   policy="engine" replays the engine's two tiers under byte budgets instead
@@ -207,6 +210,8 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
                            per_token=per_token)
   prefetch = tuple(prefetch)
   _check(trace, policy, per_layer, total, prefetch, pilot_k, couple_k, mass, io_per_layer)
+  if land not in ("evict", "free"):
+    raise InputError(f"land must be 'evict' or 'free', got {land!r}")
   st = Stream.of(trace, per_token)
   l, e = st.n_layers, st.n_experts
   cls = POLICIES[policy]
@@ -293,7 +298,8 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
       if todo:
         issued += len(todo)
         reads += len(todo)
-        for v in nxt.admit(todo, q, protect, prefetch=True):
+        room = todo if land == "evict" else todo[:max(nxt.capacity - len(nxt), 0)]
+        for v in nxt.admit(room, q, protect, prefetch=True):
           if v in pending:
             pending.discard(v)
             wasted += 1
@@ -318,7 +324,7 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
       extra[k] = extra.get(k, 0) + v
   return {**extra, "policy": policy, "capacity": int(per_layer if total is None else total),
           "mode": "per_layer" if total is None else "total", "prefetch": list(prefetch),
-          "per_token": bool(per_token), "steps": st.n_steps, "requests": requests,
+          "land": land, "per_token": bool(per_token), "steps": st.n_steps, "requests": requests,
           "hits": hits, "misses": misses, "hit_rate": hits / requests if requests else 0.0,
           "reads": reads, "bytes_read": reads * trace.expert_bytes,
           "expert_bytes": trace.expert_bytes, "prefetch_issued": issued,
