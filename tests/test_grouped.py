@@ -399,7 +399,7 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     want, guesses = 6, [7, 8, 9]
     eng.hint(layer, [want, *guesses], PILOT)
     cf.wait([eng.inflight[(layer, g)][0] for g in [want, *guesses]])
-    eng._land(protect=set())
+    eng._land()
     assert eng.host.keys() == held  # nothing evicted, nothing landed
     assert {(layer, g) for g in [want, *guesses]} <= set(eng.inflight)
     eng.pilot_k = eng.couple_k = 0  # the step below hints nothing for the next layer
