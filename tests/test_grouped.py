@@ -45,6 +45,40 @@ def test_host_and_device_placement_bitwise_equal_on_cpu(embedded_store):
   assert results["host"][1]["experts_on_host"] > 0
 
 
+def test_accelerator_placement_paths_run_on_a_cpu(embedded_store):
+  """The engine's accelerator-only paths, run on this CPU by telling the engine it has an
+  accelerator (the device kernel is then the CPU kernel, so every placement still gives the
+  same bits): `device` uploads host-held experts into a transient pool (gather_slot,
+  as_device_pool; h2d_bytes counted), `host` runs them where they are, and `auto` measures
+  both rates and picks per step. These paths raised on their first use before (gather_slot)."""
+  chunk = chunk_bytes(embedded_store)
+  # 4 pins per layer and half the experts in the host cache: the second score hits both
+  kw = dict(progress=False, device_cache_gb=4 * 4 * chunk / GB, host_cache_gb=64 * chunk / GB,
+            prefetch=False)
+  toks = [PROMPT17]
+  with glmjax.load(embedded_store, **kw) as m:
+    m.score(toks)
+    want = m.score(toks)
+  for mode in ("device", "host", "auto"):
+    with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
+      eng = m.engine
+      eng.on_cpu = eng.fused = eng._fill = False  # as on a GPU or TPU machine
+      m.score(toks)  # misses fill the host cache and the free pin slots
+      before = eng.telemetry()
+      got = m.score(toks)
+      d = {k: v - before.get(k, 0) for k, v in eng.telemetry().items()}
+      np.testing.assert_array_equal(got, want, err_msg=mode)
+      assert d["experts_on_device"] + d["experts_on_host"] == d["experts_used"] > 0, mode
+      assert d["expert_host_hits"] > 0, mode  # the host-held path ran
+      if mode == "device":
+        assert d["experts_on_host"] == 0 and d["h2d_bytes"] == (
+            d["expert_host_hits"] + d["expert_misses"]) * chunk
+      if mode == "host":
+        assert d["h2d_bytes"] == 0 and d["experts_on_host"] > 0
+      if mode == "auto":  # the first host-held step uploads, the next runs on the host
+        assert eng.rates["h2d"] > 0 and eng.rates["host"] > 0
+
+
 def test_padding_never_routes(embedded_store):
   """A 17-token prompt (prefilled padded to 32) reads and counts exactly the experts of its
   17 real tokens scored alone (no padding)."""
@@ -239,6 +273,26 @@ def test_install_writes_in_place(embedded_store):
   assert dev.pool.gate_up.packed.unsafe_buffer_pointer() == before
   np.testing.assert_array_equal(np.asarray(dev.pool.gate_up.packed[2]), w.gate_up.packed)
   assert dev.slot_of == {3: 2}
+
+
+def test_gather_slot_returns_the_expert_a_slot_holds(embedded_store):
+  """`gather_slot` (uploads of host-cached experts under device placement, and admissions of a
+  slab's expert into a pin pool on another device) returns one slot's weights, every field
+  equal to the store's. It raised TypeError on every call since it was written: only an
+  accelerator or a multi-device mesh reaches it."""
+  from glmjax.formats.store import ExpertStore
+  store = ExpertStore(embedded_store)
+  layer = store.layers[0]
+  dev = tiers.DevicePool(layer, 4, tiers.empty_pool(store.layout(layer), 4))
+  w = store.read(layer, 3)
+  dev.install(3, w, 1)
+  got = tiers.gather_slot(dev.pool, 1)
+  for have, want in zip(got, w):
+    assert (have.bits, have.group_size, have.in_features) == (want.bits, want.group_size,
+                                                               want.in_features)
+    np.testing.assert_array_equal(have.packed, want.packed)
+    np.testing.assert_array_equal(np.asarray(have.scales).view(np.uint16),
+                                  np.asarray(want.scales).view(np.uint16))
 
 
 def test_promoted_hint_is_read_before_queued_hints():

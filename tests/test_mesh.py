@@ -95,6 +95,24 @@ with glmjax.load(store, mesh=two, progress=False, device_cache_gb=0, host_cache_
   zero = t0.score(toks)  # nothing pinned or cached: every expert read and run on the host
   out["tiered"]["bitwise"].append(bool(np.array_equal(zero, t_logits)))
 
+# A host-slab expert admitted into a pin pool on another device (install_from's copy through
+# the host, as on an accelerator): the slot holds the expert's bytes, on that device.
+from glmjax.formats.store import ExpertStore
+from glmjax.offload import tiers
+es = ExpertStore(store)
+layer = es.layers[0]
+slab = tiers.DevicePool(layer, 2, tiers.empty_pool(es.layout(layer), 2, jax.devices()[0]))
+want = es.read(layer, 5)
+slab.install(5, want, 1)
+pins = tiers.DevicePool(layer, 2, tiers.empty_pool(es.layout(layer), 2, jax.devices()[1]))
+try:
+  pins.install_from(5, slab.pool, 1, 0)
+  got = pins.pool.gate_up.packed
+  out["install_from"] = {"equal": bool(np.array_equal(np.asarray(got[0]), want.gate_up.packed)),
+                         "devices": sorted(str(d) for d in got.devices()), "slot_of": pins.slot_of}
+except Exception as e:  # reported by its own test, not as a failure of every test here
+  out["install_from"] = repr(e)
+
 errors = {}
 bad = {"axis": Mesh(np.asarray(jax.devices()), ("experts",)),
        "divide": Mesh(np.asarray(jax.devices()[:3]), ("expert",)),
@@ -184,6 +202,11 @@ def test_tiered_store_on_two_devices(runs):
       assert 0 < len(experts) <= 3
       assert all(e // block == d for e in experts)  # only experts this device owns
       assert where == [t["devices"][d]]  # on that device only
+
+
+def test_admission_from_the_host_slab_to_another_devices_pool(runs):
+  # gather_slot raised TypeError on every call here (and on every accelerator upload).
+  assert runs["install_from"] == {"equal": True, "devices": ["cpu:1"], "slot_of": {"5": 0}}
 
 
 def test_two_processes_on_loopback(runs, tmp_path):

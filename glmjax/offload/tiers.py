@@ -267,7 +267,7 @@ def _gather(pool: ExpertPool, slot) -> ExpertPool:
 def gather_slot(pool: ExpertPool, slot: int) -> ExpertWeights:
   """One slot of a pool as numpy expert weights (a copy, so no view of the pool stays alive)."""
   one = _gather(pool, jnp.int32(slot))
-  return ExpertWeights(*(jax.tree_util.tree_map(np.asarray, q) for q in one))
+  return ExpertWeights(*(jax.tree_util.tree_map(np.asarray, q) for q in (one.gate_up, one.down)))
 
 
 def cpu_device():
