@@ -79,6 +79,29 @@ def test_accelerator_placement_paths_run_on_a_cpu(embedded_store):
         assert eng.rates["h2d"] > 0 and eng.rates["host"] > 0
 
 
+def test_host_and_auto_agree_with_device_under_the_pallas_kernel(embedded_store):
+  """README's accelerator claim, checked on this CPU with the Pallas kernel (interpreted) as
+  the device kernel: `host` (the CPU kernel for host-held experts) and `auto` give logits
+  within 1e-5 relative of `device`, which runs Pallas over the pin pool and over uploads."""
+  chunk = chunk_bytes(embedded_store)
+  kw = dict(progress=False, device_cache_gb=4 * 4 * chunk / GB, host_cache_gb=64 * chunk / GB,
+            prefetch=False, moe_kernel="pallas")
+  logits, h2d = {}, {}
+  for mode in ("device", "host", "auto"):
+    with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
+      eng = m.engine
+      eng.on_cpu = eng.fused = eng._fill = False  # as on a GPU
+      assert eng.kernel == "pallas"
+      m.score([PROMPT17])
+      logits[mode] = m.score([PROMPT17])
+      h2d[mode] = eng.telemetry()["h2d_bytes"]
+  scale = np.abs(logits["device"]).max()
+  for mode in ("host", "auto"):
+    assert np.abs(logits[mode] - logits["device"]).max() <= 1e-5 * scale, mode
+  assert h2d["device"] > 0 and h2d["host"] == 0
+  assert not np.array_equal(logits["host"], logits["device"])  # two kernels really ran
+
+
 def test_padding_never_routes(embedded_store):
   """A 17-token prompt (prefilled padded to 32) reads and counts exactly the experts of its
   17 real tokens scored alone (no padding)."""
