@@ -73,6 +73,7 @@ def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store,
                    host_cache_gb=40 * chunk / 2**30) as m:
     solo = [m.generate(p, N, stop_ids=[]).tokens for p in PROMPTS[:3]]
     eng = m.engine
+    eng.reader.drain()  # the solo runs' prefetches finished: nothing lands during the check
     reads = []
     read = eng.reader.read_fn
     eng.reader.read_fn = lambda layer, e: reads.append((layer, e)) or read(layer, e)
@@ -96,3 +97,22 @@ def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store,
     assert not [c for c in compiled if "attn_route" in c or "fused_forward" in c], compiled
     assert [r.out for r in reqs] == solo
     assert eng.telemetry()["experts_used"] > before[0]["experts_used"]  # really offloaded
+
+
+def test_compiling_ahead_drops_no_held_prefetch(embedded_store):
+  """A finished prefetch held for want of room (in `inflight`) waits for its layer's next real
+  step; the all-padding step that compiles a batch ahead must neither take nor drop it."""
+  import concurrent.futures as cf
+  from glmjax.offload.expert_io import PILOT
+  with glmjax.load(embedded_store, progress=False, max_context=80, device_cache_gb=0,
+                   host_cache_gb=0) as m:
+    eng = m.engine
+    eng.reader.drain()
+    key = (eng.moe_layers[0], 1)
+    held = cf.Future()
+    held.set_result(eng.reader.read_fn(*key))
+    eng.inflight[key] = (held, PILOT)
+    before = eng.telemetry()
+    BatchDecoder(m, 2, 80)
+    assert eng.inflight.get(key) == (held, PILOT)
+    assert eng.telemetry() == before

@@ -341,6 +341,31 @@ def test_promoted_hint_is_read_before_queued_hints():
   assert order == [0, 3, 1, 2]
 
 
+def test_drain_waits_for_every_read_and_its_accounting():
+  """`drain` returns only once no read is queued or running (a blocked read keeps it waiting,
+  and it names how many are left); after it, every future is done and its time counted."""
+  from glmjax.offload.expert_io import ExpertIOError
+  release = threading.Event()
+
+  def read(layer, expert):
+    release.wait(10)
+    return np.zeros(1, np.uint8)
+
+  reader = ExpertReader(read, workers=1, timeout_s=10)
+  try:
+    futs = [reader.submit(0, 0, DEMAND), reader.submit(0, 1, PILOT), reader.submit(0, 2, PILOT)]
+    reader.promote(futs[2])  # a promoted hint is one read, not two
+    with pytest.raises(ExpertIOError, match="3 reads did not finish within 0.0 s"):
+      reader.drain(timeout_s=0.0)
+    release.set()
+    reader.drain()
+    assert all(f.done() for f in futs) and reader.service_s > 0
+    reader.drain(timeout_s=0.0)  # idle: returns at once
+  finally:
+    reader.close()
+  reader.drain(timeout_s=0.0)  # closed: nothing left to wait for
+
+
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (4, 20)])
 def test_xla_custom_call_is_bitwise_the_cpu_kernel(bits, group):
   """The in-jit custom call (zero-copy operands) gives pool_terms' bits, inactive pairs 0."""

@@ -609,7 +609,7 @@ class OffloadEngine:
         futures[fut] = (layer, e)
       else:
         futures[self.reader.submit(layer, e)] = (layer, e)  # every miss dispatched up front
-    if self.inflight:
+    if self.inflight and not self._dry:  # a precompile step drops no held prefetch
       self._expire(layer)
     if self._predicting:
       self._predict(layer, union, self._next_moe(layer), pilot)

@@ -54,6 +54,8 @@ class ExpertReader:
     self._seq = 0
     self._hints = 0
     self._queued: dict[cf.Future, tuple] = {}  # future → (priority, layer, expert), not started
+    self._active = 0  # reads submitted and not yet finished (queued or running)
+    self._idle = threading.Condition(self._lock)
     self._closed = False
     self._threads = [threading.Thread(target=self._worker, name=f"glmjax-io-{i}", daemon=True)
                      for i in range(workers)]
@@ -72,6 +74,7 @@ class ExpertReader:
         if priority > DEMAND:
           self._hints -= 1
       if not fut.set_running_or_notify_cancel():
+        self._finished()
         continue
       t0 = time.perf_counter()
       try:
@@ -83,6 +86,23 @@ class ExpertReader:
       finally:
         with self._lock:
           self.service_s += time.perf_counter() - t0
+        self._finished()
+
+  def _finished(self) -> None:
+    with self._lock:
+      self._active -= 1
+      if self._active == 0:
+        self._idle.notify_all()
+
+  def drain(self, timeout_s: float | None = None) -> None:
+    """Blocks until every submitted read has finished (its bytes, or its failure, set and its
+    time counted), or raises ExpertIOError after `timeout_s` (default: the reader's). Lets a
+    caller see the engine's counters at rest: nothing still lands behind its back."""
+    timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    with self._lock:
+      if not self._idle.wait_for(lambda: self._active == 0 or self._closed, timeout_s):
+        raise ExpertIOError(f"{self._active} reads did not finish within {timeout_s:.1f} s "
+                            "(stalled storage?)")
 
   def _put(self, priority: int, layer: int, expert: int, fut: cf.Future) -> None:
     self._seq += 1
@@ -104,6 +124,7 @@ class ExpertReader:
         if self._hints >= self.max_hints:
           return None
         self._hints += 1
+      self._active += 1
       self._put(priority, layer, expert, fut)
     return fut
 
@@ -167,6 +188,7 @@ class ExpertReader:
         fut.cancel()
       self._queued.clear()
       self._hints = 0
+      self._idle.notify_all()
       for _ in self._threads:  # sentinels sort after every real priority
         self._seq += 1
         self._q.put((1 << 30, self._seq, -1, -1, None))
