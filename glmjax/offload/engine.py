@@ -1018,7 +1018,7 @@ class OffloadEngine:
           n["pinned"] += 1
         elif self.host.touch((layer, e)):
           cached.append(e)
-        else:  # admissions copy slab → pin and landings protect the union: never evicted
+        else:  # admissions copy slab → pin and landings only fill free room: never evicted
           raise RuntimeError(f"internal: layer {layer} expert {e} served by a fused step is in "
                              "no tier")
       if self.inflight:

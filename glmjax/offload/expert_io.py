@@ -74,7 +74,7 @@ class ExpertReader:
         if priority > DEMAND:
           self._hints -= 1
       if not fut.set_running_or_notify_cancel():
-        self._finished()
+        self._finished(0.0)
         continue
       t0 = time.perf_counter()
       try:
@@ -84,12 +84,12 @@ class ExpertReader:
       else:
         fut.set_result(blob)
       finally:
-        with self._lock:
-          self.service_s += time.perf_counter() - t0
-        self._finished()
+        self._finished(time.perf_counter() - t0)
 
-  def _finished(self) -> None:
+  def _finished(self, seconds: float) -> None:
+    """Counts a read's time and its end (one lock: `drain` sees both or neither)."""
     with self._lock:
+      self.service_s += seconds
       self._active -= 1
       if self._active == 0:
         self._idle.notify_all()
