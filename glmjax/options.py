@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from glmjax.errors import InputError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MAX_PREFILL_CHUNK = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,15 @@ class Options:
       reads per MoE layer. The step's most chosen experts (ties: summed router score) are kept
       and every token is routed within them; fewer experts are loaded at some cost in MTP
       acceptance. Must be ≥ the model's top-k. Expert stores only.
+    attention: "sparse" (DSA: a query that sees more than index_topk keys attends to its
+      selected keys only, gathered) or "dense" (every key scored, the selection applied as a
+      mask: the reference, and what training distils the indexer from).
+    prefill_chunk: a prompt longer than this is written into the KV cache chunk by chunk
+      (0 = one piece); bounds every step's temporaries.
+    kv_dtype: the KV cache's latent and rope-key dtype ("float32", "bfloat16"; "auto" = the
+      dense dtype, bfloat16 for float16 weights).
+    index_dtype: the cached indexer keys' dtype ("float32", "bfloat16", "float8"; "auto" =
+      the KV dtype).
   """
 
   dtype: str = "float32"
@@ -69,6 +79,10 @@ class Options:
   route_keep: int = 2
   route_rank: int = 12
   expert_budget: int | None = None
+  attention: str = "sparse"
+  prefill_chunk: int = 2048
+  kv_dtype: str = "auto"
+  index_dtype: str = "auto"
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -93,6 +107,17 @@ class Options:
                        f"{self.expert_budget!r}")
     if not self.io_timeout_s > 0:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
+    if self.attention not in ("sparse", "dense"):
+      raise InputError(f"attention must be 'sparse' or 'dense', got {self.attention!r}")
+    if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
+        or not 0 <= self.prefill_chunk <= MAX_PREFILL_CHUNK):
+      raise InputError(f"prefill_chunk must be an integer in [0, {MAX_PREFILL_CHUNK}] (0 = one "
+                       f"piece), got {self.prefill_chunk!r}")
+    if self.kv_dtype not in ("auto", "float32", "bfloat16"):
+      raise InputError(f"kv_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_dtype!r}")
+    if self.index_dtype not in ("auto", "float32", "bfloat16", "float8"):
+      raise InputError(f"index_dtype must be 'auto', 'float32', 'bfloat16' or 'float8', got "
+                       f"{self.index_dtype!r}")
 
   @property
   def offload_set(self) -> bool:
@@ -113,3 +138,13 @@ class Options:
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def kv_dtype_name(self) -> str:
+    if self.kv_dtype != "auto":
+      return self.kv_dtype
+    return "float32" if self.dtype == "float32" else "bfloat16"
+
+  @property
+  def index_dtype_name(self) -> str:
+    return self.kv_dtype_name if self.index_dtype == "auto" else self.index_dtype

@@ -33,6 +33,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
 flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids (instead of --prompt).")
+flags.DEFINE_string("prompt_file", None, "Read the prompt text from this file (long prompts).")
 flags.DEFINE_bool("chat", False, "Interactive multi-turn chat (GLM chat template).")
 flags.DEFINE_string("system", None, "System message for --chat.")
 flags.DEFINE_bool("think", False, "Enable thinking in --chat (<think> instead of <think></think>).")
@@ -54,6 +55,13 @@ flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
                   "bytes are), auto (per layer step, from measured costs).")
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
                      "config's max_position_embeddings).", lower_bound=1)
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this are prefilled chunk by "
+                     "chunk (default 2048; 0 = one piece).", lower_bound=0)
+flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "KV cache dtype (auto = the dense dtype).")
+flags.DEFINE_enum("attention", "sparse", ["sparse", "dense"], "sparse: DSA attends to each "
+                  "query's selected keys only; dense: every key, the selection as a mask "
+                  "(the reference).")
 flags.DEFINE_string("trace", None, "Write a routing trace of this run to this directory "
                     "(glmjax.replay.Trace).")
 flags.DEFINE_string("json", None, "Write tokens, text, stats and mesh of the generation to this "
@@ -80,7 +88,8 @@ flags.DEFINE_integer("route_rank", None, "With --cache_route: resident experts a
                      "top route_rank (default 12).", lower_bound=0)
 
 LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
-              "cold", "prefetch", "pilot_k", "couple_k", "cache_route", "route_keep", "route_rank")
+              "cold", "prefetch", "pilot_k", "couple_k", "cache_route", "route_keep", "route_rank",
+              "prefill_chunk")
 
 def parse_draft(text: str):
   if text == "auto":
@@ -99,6 +108,14 @@ def parse_ids(text: str) -> list[int]:
   if not ids:
     raise glmjax.InputError("--prompt_ids is empty")
   return ids
+
+
+def read_prompt(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise glmjax.InputError(f"--prompt_file {path}: cannot read it ({e})") from None
 
 
 def sampling_kwargs(model) -> dict:
@@ -154,9 +171,12 @@ def run(model) -> None:
     show = dict(on_token=lambda t: print(t, end=" ", flush=True))
   else:
     prompt = FLAGS.prompt if FLAGS.prompt is not None else "def "
+    if FLAGS.prompt_file is not None:
+      prompt = read_prompt(FLAGS.prompt_file)
     if model.tokenizer is None:
       raise glmjax.InputError("this model has no tokenizer: use --prompt_ids")
-    print(prompt, end="", flush=True)
+    print(prompt if len(prompt) <= 2000 else f"[{len(prompt)} characters of {FLAGS.prompt_file}]",
+          end="", flush=True)
     show = dict(on_text=lambda t: print(t, end="", flush=True))
   result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
                           trace=FLAGS.trace, **show)
@@ -178,6 +198,8 @@ def main(argv):
   try:
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
+    if FLAGS.prompt_file is not None:
+      read_prompt(FLAGS.prompt_file)
     parse_draft(FLAGS.draft)
     if FLAGS.chat and FLAGS.json:
       raise glmjax.InputError("--json records one generation; it does not go with --chat")
@@ -187,7 +209,8 @@ def main(argv):
     if not distributed.is_main():  # every process computes; process 0 alone speaks
       sys.stdout = open(os.devnull, "w")
     with glmjax.load(FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
-                     moe_kernel=FLAGS.moe_kernel, **options) as model:
+                     moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype,
+                     attention=FLAGS.attention, **options) as model:
       run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)

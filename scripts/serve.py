@@ -38,8 +38,14 @@ flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
 flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
                   "Where host-cached and missed experts are computed (store only).")
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most per request "
-                     "(default: the config's max_position_embeddings); also the batch cache's "
-                     "length.", lower_bound=1)
+                     "(default: the config's max_position_embeddings).", lower_bound=1)
+flags.DEFINE_float("kv_cache_gb", None, "KV cache budget of the batch, shared by its rows' pages "
+                   "(default: enough for --max_batch full contexts, at most a quarter of the "
+                   "free memory). A request needing more than all of it gets a 400.")
+flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "KV cache dtype (auto = the dense dtype).")
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
+                     "(default 2048; 0 = one piece).", lower_bound=0)
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
 flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
 flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic).")
@@ -53,7 +59,7 @@ flags.DEFINE_integer("couple_k", None, "Experts the co-activation table predicts
                      lower_bound=0)
 
 LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
-              "cold", "prefetch", "pilot_k", "couple_k")
+              "cold", "prefetch", "pilot_k", "couple_k", "prefill_chunk")
 
 
 def main(argv):
@@ -65,13 +71,18 @@ def main(argv):
   if FLAGS.expert_compute != "device":
     options["expert_compute"] = FLAGS.expert_compute
   try:
-    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel, **options)
-    server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name)
+    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
+                        kv_dtype=FLAGS.kv_dtype, **options)
+    server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
+                        FLAGS.kv_cache_gb)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  batch = server.state.scheduler.batch
   print(f"serving {server.state.model_name} ({model!r}) on http://{FLAGS.host}:{FLAGS.port}"
-        f"/v1, batch {FLAGS.max_batch}, queue {FLAGS.max_queue}", flush=True)
+        f"/v1, batch {FLAGS.max_batch}, queue {FLAGS.max_queue}, KV cache "
+        f"{batch.kv_bytes / 2**30:.2f} GB ({batch.capacity_tokens} tokens at most per request)",
+        flush=True)
   try:
     uvicorn.run(server, host=FLAGS.host, port=FLAGS.port, log_level="warning")
   finally:

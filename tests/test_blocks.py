@@ -12,7 +12,7 @@ import torch
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
 import glmjax
-from glmjax.model import attention, layers, moe, weights
+from glmjax.model import attention, kvcache, layers, moe, weights
 from glmjax.model.forward import moe_block
 from hf_reference import make_hf, rel_err
 
@@ -101,17 +101,23 @@ def test_indexer_selection(pair):
   c, s = c[None], s[None]
   xj = jnp.asarray(x)
   q_lat = layers.rms_norm(layers.linear(xj, w.q_a), w.q_a_norm, layers.LATENT_NORM_EPS)
-  keys = attention.Keys(None, None, attention.indexer_keys(w.indexer, xj, cfg, c, s),
-                        jnp.arange(S))
+  index_k = attention.indexer_keys(w.indexer, xj, cfg, c, s)  # [B, S, I]
+  q, wts = attention.indexer_queries(w.indexer, xj, q_lat, cfg, c, s)
   visible = jnp.arange(S)[None, None] <= jnp.arange(S)[None, :, None]
-  sel = attention.indexer_select(w.indexer, xj, q_lat, keys, visible, cfg, c, s)
-  got = np.asarray(sel & visible)  # the model attends to selected *visible* keys only
+  dense = np.asarray(attention.select_dense(q, wts, index_k, visible, cfg.index_topk))
+  # The blocked selection (the sparse path's) reads the keys as pages of 4 positions, in
+  # blocks of one page: the running top-k merges three blocks for the last queries.
+  pool, pages = kvcache.as_pool(index_k, 4)
+  view = attention.KeyView(None, None, pool, pages)
+  slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  blocked = np.asarray(attention.select_blocked(view, q, wts, slots, cfg.index_topk, 1))
+  np.testing.assert_array_equal(blocked, dense)  # the same keys in the same order
   for b in range(B):
-    for q in range(S):
-      ref_set = {int(t) for t in want[b, q] if t <= q}  # masked picks are never attended
-      assert ref_set == set(np.nonzero(got[b, q])[0].tolist()), (b, q)
+    for q_ in range(S):
+      ref_set = {int(t) for t in want[b, q_] if t <= q_}  # masked picks are never attended
+      assert ref_set == {int(t) for t in dense[b, q_] if t >= 0}, (b, q_)
   # Queries with more visible keys than index_topk really are sparse.
-  assert got[:, -1].sum(-1).max() == cfg.index_topk
+  assert (dense[:, -1] >= 0).sum(-1).max() == cfg.index_topk
 
 
 def test_router_group_limited(pair):

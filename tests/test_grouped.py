@@ -14,6 +14,13 @@ GB = 1 << 30
 PROMPT17 = [5 + (7 * i) % 80 for i in range(17)]
 
 
+
+def _tiered(eng, layer, m, x, ids):
+  """One layer step of `x` `[T, D]` routed to `ids` through the engine's tiers: its terms."""
+  from glmjax.model.forward import Routed
+  (terms,) = eng._tiered(layer, m, [Routed(x[None], x, ids)])
+  return terms
+
 def chunk_bytes(path):
   import json, os
   m = json.load(open(os.path.join(path, "manifest.json")))
@@ -276,9 +283,9 @@ def test_expert_terms_do_not_depend_on_the_batch(embedded_store):
     b = jnp.asarray(rng.standard_normal((9, d)), jnp.float32)
     ids_a = jnp.asarray(rng.permuted(np.tile(np.arange(e), (5, 1)), axis=1)[:, :k], jnp.int32)
     ids_b = jnp.asarray(rng.permuted(np.tile(np.arange(e), (9, 1)), axis=1)[:, :k], jnp.int32)
-    alone = eng._tiered(layer, lw.mlp, a[None], a, ids_a, None)
+    alone = _tiered(eng, layer, lw.mlp, a, ids_a)
     ab = jnp.concatenate([a, b])
-    both = eng._tiered(layer, lw.mlp, ab[None], ab, jnp.concatenate([ids_a, ids_b]), None)
+    both = _tiered(eng, layer, lw.mlp, ab, jnp.concatenate([ids_a, ids_b]))
     np.testing.assert_array_equal(np.asarray(both)[:5], np.asarray(alone))
     assert np.abs(np.asarray(alone)).min(axis=-1).max() > 0  # every (token, rank) computed
 
@@ -434,7 +441,7 @@ def _hinted_step(m, layer, want):
   eng.hint(layer, [want], PILOT)
   cf.wait([eng.inflight[(layer, want)][0]])
   before = eng.telemetry()
-  terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+  terms = _tiered(eng, layer, eng.dense.layers[layer].mlp, x, ids)
   return terms, before, eng.telemetry()
 
 
@@ -454,8 +461,7 @@ def test_a_prefetch_no_tier_can_hold_serves_its_step(embedded_store):
       assert after.get("prefetch_wasted", 0) == before.get("prefetch_wasted", 0)
       assert after["prefetch_useful"] == before.get("prefetch_useful", 0) + 1
       x, ids = _step_inputs(m, want)
-      ref = plain.engine._tiered(layer, plain.engine.dense.layers[layer].mlp, x[None], x, ids,
-                                 None)
+      ref = _tiered(plain.engine, layer, plain.engine.dense.layers[layer].mlp, x, ids)
       np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))
 
 
@@ -511,7 +517,7 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     before = eng.telemetry()
     x, _ = _step_inputs(m, want)
     ids = jnp.asarray([[want, 0, 1, 2]] * 6, jnp.int32)  # the held read and cached experts
-    terms = eng._tiered(layer, eng.dense.layers[layer].mlp, x[None], x, ids, None)
+    terms = _tiered(eng, layer, eng.dense.layers[layer].mlp, x, ids)
     after = eng.telemetry()
     assert reads == []  # the held read served the step
     assert after["prefetch_useful"] - before.get("prefetch_useful", 0) == 1
@@ -519,6 +525,5 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     assert not any(k[0] == layer for k in eng.inflight)  # the step dropped the unused ones
     read_now = after["expert_bytes_read"] - before.get("expert_bytes_read", 0)
     assert read_now == (1 + len(guesses)) * chunk  # the wasted guesses' bytes count too
-    ref = plain.engine._tiered(layer, plain.engine.dense.layers[layer].mlp, x[None], x, ids,
-                               None)
+    ref = _tiered(plain.engine, layer, plain.engine.dense.layers[layer].mlp, x, ids)
     np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))

@@ -191,9 +191,16 @@ def test_nan_weight_refused_loading_store(private_store):
 
 
 def test_chat_capacity_within_max_context():
+  """A chat takes pages as it grows, up to the model's max_context and no further."""
   model = glmjax.load(progress=False, max_context=1000)
   chat = model.chat()
-  assert chat.cache.layers[0].latent.shape[1] <= 1000
+  assert chat.max_context == 1000 and chat.pages == []
+  chat.send("def f(x):", 8)
+  held = len(chat.pages)
+  assert 1 <= held <= model.kv.layout.pages_for(1000)
+  with pytest.raises(InputError, match="max_context"):
+    chat.send("x" * 10, 1000)
+  assert len(chat.pages) == held and len(chat.messages) == 2  # the refused turn left no trace
 
 
 def test_send_rejects_unknown_arguments_before_generating():

@@ -25,67 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.model.config import Config
-from glmjax.model.forward import KVCache, RecordOptions, bucket, decode_fn, mtp_fn, stack_records
-from glmjax.model.mtp import init_mtp_cache
-
-
-# --- backends: the resident jitted forward, or the offload engine ---------------------------
-
-class ResidentBackend:
-  recorder = None  # glmjax.replay.record.LiveRecorder when the run is traced
-
-  def __init__(self, model):
-    self.w, self.cfg = model.weights, model.config
-    self.kernel = model.options.moe_kernel
-    self.mesh = model.mesh
-    self.put = model._put  # host ids and lengths onto the model's device(s)
-
-  def main(self, cache, tokens, absorbed, n_valid=None):
-    """All logits `[B, S, V]` and hidden states `[B, S, D]`; the cache advances by S."""
-    record = RecordOptions() if self.recorder is not None else None
-    out = decode_fn(self.w, cache, tokens, cfg=self.cfg, kernel=self.kernel, absorbed=absorbed,
-                    record=record, mesh=self.mesh)
-    if record is not None:
-      n = tokens.shape[1] if n_valid is None else n_valid
-      self.recorder.add(np.asarray(tokens)[0, :n], out[3], slice(0, n))
-    return out[:3]
-
-  def mtp(self, h, next_tokens, cache, start):
-    return mtp_fn(self.w, h, next_tokens, cache, self.put(start, jnp.int32), cfg=self.cfg,
-                  kernel=self.kernel, mesh=self.mesh)
-
-  def mtp_cache(self, capacity: int):
-    from glmjax import sharding
-    where = None if self.mesh is None else sharding.replicated(self.mesh)
-    return init_mtp_cache(self.cfg, 1, capacity, sharding=where)
-
-
-class EngineBackend:
-  recorder = None
-  put = staticmethod(jnp.asarray)
-
-  def __init__(self, model):
-    self.engine = model.engine
-    self.cfg = model.config
-
-  def mtp_cache(self, capacity: int):
-    return init_mtp_cache(self.cfg, 1, capacity)
-
-  def main(self, cache, tokens, absorbed, n_valid=None):
-    # A verify pass (absorbed, with drafts after the token; the prefill is not absorbed) may
-    # be capped to `expert_budget` experts a layer. The prefill's padding never routes.
-    cap = self.engine.expert_budget if absorbed and tokens.shape[1] > 1 else None
-    rec = [] if self.recorder is not None else None
-    logits, x, cache = self.engine.forward(tokens, cache, absorbed=absorbed, expert_cap=cap,
-                                           n_valid=n_valid, record=rec)
-    if rec is not None:
-      n = tokens.shape[1] if n_valid is None else n_valid
-      self.recorder.add(np.asarray(tokens)[0, :n], stack_records(rec), slice(0, n))
-    return logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
-
-  def mtp(self, h, next_tokens, cache, start):
-    return self.engine.mtp_forward(h, next_tokens, cache, start)
+from glmjax.model.forward import bucket
 
 
 # --- draft length control --------------------------------------------------------------------
@@ -181,65 +121,38 @@ ABSORB_WINDOW = 8
 
 # --- the loop ------------------------------------------------------------------------------
 
-class CompileClock:
-  """Seconds JAX spends tracing, lowering and compiling while it is open (its monitoring
-  events, from any thread). Speculative rounds meet new shapes (a verify width per draft
-  length, MTP absorb widths) mid-run; their compile time is reported apart from decoding."""
+def run(runner, pool, table, cache, start: int, prefilled, req, draft, on_round=None):
+  """Speculative generation after a prompt prefilled into `cache` (batch 1, page `table`
+  `[W]` of `pool`, a glmjax.decoding.pages.KVPool) at positions start.. (the cache's length
+  is now start + the prompt's length).
 
-  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-            "/jax/core/compile/jaxpr_to_mlir_module_duration",
-            "/jax/core/compile/backend_compile_duration")
-
-  def __init__(self):
-    self.seconds = 0.0
-
-  def _listen(self, event, duration, **_):
-    if event in self.EVENTS:
-      self.seconds += duration
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listen)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
-def run(backend, cfg: Config, cache: KVCache, toks, n: int, max_new: int, emit, picker,
-        draft, seed: int = 0, on_round=None):
-  """Speculative generation after the prompt `toks` `[1, S]` (first `n` real).
-
-  `emit(token) -> bool` records a new token (and shows it to `picker`, a
-  `sampling.TokenPicker`) and says whether to stop. `draft` is an int k ≥ 1 or "auto".
-  Returns a stats dict (prefill_s, compile_s, decode_compile_s, draft_proposed,
-  draft_accepted, tokens_per_forward, verify_forwards); prefill_s and the caller's decode time
-  include compilation, which compile_s (prefill) and decode_compile_s (rounds) measure.
+  `prefilled` = (logits `[V]` at the prompt's last token, its hidden states `[n, D]` numpy,
+  the prompt's ids). `req` (glmjax.decoding.generation.Request) records the new tokens; `draft`
+  is an int k ≥ 1 or "auto". Returns (stats dict: decode_compile_s, draft_proposed,
+  draft_accepted, tokens_per_forward, verify_forwards; the main cache; the MTP cache).
   """
+  from glmjax.decoding.generation import CompileClock
   with CompileClock() as clock:
-    return _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_round,
-                clock)
+    return _run(runner, pool, table, cache, start, prefilled, req, draft, on_round, clock)
 
 
-def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_round, clock):
-  start = int(cache.length)
-  cap = cache.layers[0].latent.shape[1]
-  t0 = time.perf_counter()
-  logits, x, cache = backend.main(cache, toks, absorbed=False, n_valid=n)
-  put = backend.put
-  cache = KVCache(cache.layers, put(start + n, jnp.int32))
-  prompt = np.asarray(toks[0, :n])
-  tok = picker.pick(logits[0, n - 1])
-  prefill_s = time.perf_counter() - t0
-  prefill_compile_s = clock.seconds
-  mcache = backend.mtp_cache(cap)
+def _run(runner, pool, table, cache, start, prefilled, req, draft, on_round, clock):
+  logits, hidden, prompt = prefilled
+  n = len(prompt)
+  picker, emit, max_new = req.picker, req.emit, req.max_new_tokens
+  engine = runner.engine if runner.offloaded else None
+  tok = picker.pick(logits)
+  pool.ensure_mtp()
+  mcache = pool.cache([table], 0, runner.put, mtp=True)
+  chunk = runner.chunk or max(n, 1)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
   # is next needed, so k = 0 rounds cost exactly a plain decode step.
   # Hidden states stay on the host as a list of `[L, D]` pieces: appending device arrays of a
   # new length every round would compile a concatenation per length.
-  pending_h, pending_t, pending_at = [np.asarray(x[0, :n])], list(prompt[1:]), start
+  pending_h, pending_t, pending_at = [hidden], list(prompt[1:]), start
   ctrl = DraftController() if draft == "auto" else None
-  rng = np.random.default_rng(seed + 1)
+  rng = np.random.default_rng(req.seed + 1)
   st = dict(draft_proposed=0, draft_accepted=0, verify_forwards=0, emitted=0)
   p = start + n  # main cache length; `tok` sits at position p
   while True:
@@ -248,7 +161,7 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
       break
     remaining = max_new - st["emitted"]
     k = ctrl.choose() if ctrl else int(draft)
-    k = max(0, min(k, remaining - 1, cap - p - 1))
+    k = max(0, min(k, remaining - 1))
     t0 = time.perf_counter()
     drafts = []
     if k:
@@ -260,33 +173,37 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
         # correctness (every draft is verified), and keeps probes from auto cheap.
         skip = len(hs) - ABSORB_WINDOW
         hs, ts, pending_at = hs[skip:], ts[skip:], pending_at + skip
-      m = hs.shape[0]
-      width = min(bucket(m), cap - pending_at)  # padded: fewer shapes to compile
-      hp = put(np.pad(hs, ((0, width - m), (0, 0)))[None])
-      tp = put([ts + [0] * (width - m)], jnp.int32)
-      mlog, mx, mcache = backend.mtp(hp, tp, mcache, pending_at)
+      # Absorbed in prefill-sized pieces (a long prompt's first draft absorbs all of it).
+      for o in range(0, len(hs), chunk):
+        m = min(chunk, len(hs) - o)
+        width = bucket(m)  # padded: fewer shapes to compile; padding lands past the length
+        hp = runner.put(np.pad(hs[o:o + m], ((0, width - m), (0, 0)))[None])
+        tp = runner.put([ts[o:o + m] + [0] * (width - m)], jnp.int32)
+        mlog, mx, mcache = runner.mtp(hp, tp, mcache, pending_at + o)
       drafts.append(int(jnp.argmax(mlog[0, m - 1])))
       h = mx[:, m - 1:m]
       pending_h, pending_t, pending_at = [], [], p
       for g in range(1, k):
-        mlog, h, mcache = backend.mtp(h, put([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
+        mlog, h, mcache = runner.mtp(h, runner.put([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
         drafts.append(int(jnp.argmax(mlog[0, 0])))
     else:
       pending_t = pending_t + [tok]  # the last pending hidden's next token
-    verify = put([[tok] + drafts], jnp.int32)
-    logits, xv, cache = backend.main(cache, verify, absorbed=True)
+    # A verify pass may be capped to `expert_budget` experts a layer (opt-in, lossy).
+    cap = engine.expert_budget if engine is not None and k else None
+    logits, xv, cache = runner.step(cache, [[tok] + drafts], p, recorder=req.recorder,
+                                    expert_cap=cap)
     a, nxt = accept(logits[0], drafts, picker, rng, emit)
-    if backend.recorder is not None:  # the trace's step: which positions were drafts
-      backend.recorder.mark(drafts=k, accepted=a)
+    if req.recorder is not None:  # the trace's step: which positions were drafts
+      req.recorder.mark(drafts=k, accepted=a)
     st["emitted"] += a
     if on_round is not None:
       on_round(dict(position=p, tokens=[tok] + drafts, logits=np.asarray(logits[0]), accepted=a))
-    cache = KVCache(cache.layers, put(p + 1 + a, jnp.int32))  # roll back the rest
     st["draft_proposed"] += k
     st["draft_accepted"] += a
     st["verify_forwards"] += 1
     # Hidden states of tok and the accepted drafts feed the MTP head next time it drafts; each
-    # pairs with the token after it (the last one with `nxt`, added when drafting).
+    # pairs with the token after it (the last one with `nxt`, added when drafting). The main
+    # cache keeps p + 1 + a positions: the rest is rolled back by the next step's length.
     pending_h.append(np.asarray(xv[0, :a + 1]))
     pending_t = pending_t + drafts[:a]
     if ctrl:
@@ -296,9 +213,9 @@ def _run(backend, cfg, cache, toks, n, max_new, emit, picker, draft, seed, on_ro
     p += 1 + a
     tok = nxt
   fwd = max(st["verify_forwards"], 1)
-  return {"prefill_s": prefill_s, "compile_s": prefill_compile_s,
-          "decode_compile_s": clock.seconds - prefill_compile_s,
-          "draft_proposed": float(st["draft_proposed"]),
-          "draft_accepted": float(st["draft_accepted"]),
-          "verify_forwards": float(st["verify_forwards"]),
-          "tokens_per_forward": (st["draft_accepted"] + st["verify_forwards"]) / fwd}
+  stats = {"decode_compile_s": clock.seconds,
+           "draft_proposed": float(st["draft_proposed"]),
+           "draft_accepted": float(st["draft_accepted"]),
+           "verify_forwards": float(st["verify_forwards"]),
+           "tokens_per_forward": (st["draft_accepted"] + st["verify_forwards"]) / fwd}
+  return stats, cache, mcache

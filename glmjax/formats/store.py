@@ -346,6 +346,56 @@ def _read_checked(fname: str, nbytes: int, what: str) -> np.ndarray:
   return data
 
 
+def dense_abstract(path: str, dtype=jnp.float32) -> tuple[Config, Weights]:
+  """A store's config and the abstract tree (`ArrayInfo` leaves) of its dense weights in
+  `dtype`: what `load_dense` will allocate, known before it does."""
+  manifest = read_manifest(path)
+  cfg = Config.from_dict(manifest["source_config"], source=os.path.join(path, MANIFEST))
+  tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]))
+  if manifest.get("mtp_has_head"):
+    for m in tree.mtp:
+      m.head = tree.embed
+  stored = jnp.dtype(manifest["quant"].get("dense_dtype", "float32"))
+  if not cfg.tie_word_embeddings and stored.itemsize < jnp.dtype(dtype).itemsize:
+    # The embedding is a gather, not a matmul: its rows are upcast as they are read, to the
+    # same values a wider table holds (1.9 GB saved at GLM-5's vocabulary in float32).
+    tree = dataclasses.replace(tree, embed=dataclasses.replace(tree.embed, dtype=stored))
+  return cfg, tree
+
+
+WHOLE_PART_BYTES = 256 << 20  # dense parts up to this size are restored in one call
+
+
+def _restore_groups(ckptr, part_dir: str, infos: dict) -> list[list[str]]:
+  """The part's leaf keys in restore calls: all at once for a small part, else one by one."""
+  try:
+    stored = ckptr.metadata(part_dir).item_metadata.tree
+  except Exception as e:  # orbax raises many types; all mean a damaged part
+    raise CheckpointError(f"{part_dir}: cannot read dense part metadata ({type(e).__name__}: "
+                          f"{e})") from None
+  missing = sorted(set(infos) - set(stored))
+  if missing:
+    raise CheckpointError(f"{part_dir}: dense part lacks {', '.join(missing)}")
+  size = sum(int(np.prod(stored[k].shape)) * np.dtype(stored[k].dtype).itemsize for k in infos)
+  keys = list(infos)
+  return [keys] if size <= WHOLE_PART_BYTES else [[k] for k in keys]
+
+
+def _restore(ckptr, part_dir: str, keys: list[str]) -> dict:
+  """The stored arrays of `keys` of one dense part, as numpy in their stored dtype."""
+  import orbax.checkpoint as ocp
+  try:
+    stored = ckptr.metadata(part_dir).item_metadata.tree
+    item = {k: np.zeros((), stored[k].dtype) for k in keys}
+    args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=stored[k].dtype) for k in keys}
+    out = ocp.PyTreeCheckpointer().restore(part_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=args, partial_restore=True))
+  except Exception as e:  # orbax raises many types; all mean a damaged part
+    raise CheckpointError(f"{part_dir}: cannot restore dense part ({type(e).__name__}: {e})"
+                          ) from None
+  return dict(out)
+
+
 def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool = True
                ) -> tuple[Config, Weights]:
   """A store's config and dense weights; routed experts are left as None (served by tiers)."""
@@ -353,11 +403,7 @@ def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
   from tqdm import tqdm
 
   manifest = read_manifest(path)
-  cfg = Config.from_dict(manifest["source_config"], source=os.path.join(path, MANIFEST))
-  tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]))
-  if manifest.get("mtp_has_head"):
-    for m in tree.mtp:
-      m.head = tree.embed
+  cfg, tree = dense_abstract(path, dtype)
   parts = dense_parts(tree)
   ckptr = ocp.StandardCheckpointer()
   filled = {}
@@ -365,24 +411,25 @@ def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
     flat, treedef = jax.tree_util.tree_flatten_with_path(part, is_leaf=is_info)
     infos = {jax.tree_util.keystr(p): i for p, i in flat}
     part_dir = os.path.abspath(os.path.join(path, "dense", name))
-    try:
-      # Restore in the dtype the converter stored (bf16 by default): integrity is checked on
-      # those bytes, and only then are arrays cast to the requested dtype.
-      stored = ckptr.metadata(part_dir).item_metadata.tree
-      target = {k: jax.ShapeDtypeStruct(i.shape, stored[k].dtype) for k, i in infos.items()}
-      arrays = ckptr.restore(part_dir, target)
-    except Exception as e:  # orbax raises many types; all mean a damaged part
-      raise CheckpointError(f"{part_dir}: cannot restore dense part ({type(e).__name__}: {e})"
-                            ) from None
     sums = manifest["dense"][name]
-    for k, a in arrays.items():
-      a = np.asarray(a)
-      if verify and crc(a) != sums[k]:
-        raise CheckpointError(f"{part_dir}: checksum mismatch for {k} "
-                              f"({', '.join(infos[k].hf_names)})")
-      require_finite(a, part_dir, ", ".join(infos[k].hf_names))
-    filled[name] = jax.tree_util.tree_unflatten(
-        treedef, [to_device(arrays[k], i.dtype) for k, i in infos.items()])
+    leaves = []
+    # Restored in the dtype the converter stored (bf16 by default): integrity is checked on
+    # those bytes, and only then is each array cast to the requested dtype and the stored copy
+    # dropped. A large part is restored leaf by leaf (orbax holds about twice what it
+    # restores while it reads), so that loading never holds much more than the weights.
+    for keys in _restore_groups(ckptr, part_dir, infos):
+      arrays = _restore(ckptr, part_dir, keys)
+      for k in keys:
+        a = np.asarray(arrays[k])
+        if a.shape != tuple(infos[k].shape):
+          raise CheckpointError(f"{part_dir}: {k} ({', '.join(infos[k].hf_names)}) has shape "
+                                f"{a.shape}, the config says {tuple(infos[k].shape)}")
+        if verify and crc(a) != sums[k]:
+          raise CheckpointError(f"{part_dir}: checksum mismatch for {k} "
+                                f"({', '.join(infos[k].hf_names)})")
+        require_finite(a, part_dir, ", ".join(infos[k].hf_names))
+        leaves.append(to_device(arrays.pop(k), infos[k].dtype))
+    filled[name] = jax.tree_util.tree_unflatten(treedef, leaves)
   g = filled["global"]
   return cfg, Weights(embed=g["embed"], layers=[filled[f"layer_{i:03d}"] for i in
                                                 range(cfg.num_hidden_layers)],

@@ -1,12 +1,19 @@
-"""MLA attention with the DSA lightning indexer, over a compressed latent KV cache.
+"""MLA attention with the DSA lightning indexer, over a paged latent KV cache.
 
-Letters: B batch, S queries, T keys, H heads, Q q_lora, C kv_lora, N qk_nope, R qk_rope, V v_head,
-G indexer heads, I indexer head dim.
+Letters: B batch, S queries, T key slots, H heads, Q q_lora, C kv_lora, N qk_nope, R qk_rope,
+V v_head, G indexer heads, I indexer head dim, K index_topk, PS positions per page.
 
-Two attention paths compute the same function:
-- `expanded` (prefill): kv_b_proj rebuilds per-head keys and values for every key;
-- `absorbed` (decode): kv_b_proj is folded into the query and the output, so attention runs
-  directly over the cached latent (C + R values per token).
+Keys are read through a page table (glmjax.model.kvcache): a cache's pools, or, without a cache,
+the fresh keys seen as a pool. Three ways to attend compute the same function:
+- `sparse` (the default wherever a query can see more than K keys, on DSA layers): the indexer
+  scores keys block by block and keeps a running top-K; each query gathers its K selected
+  latents (C + R values per key) and attends over them in the absorbed form, in query blocks,
+  so no array holds more than about `block × K × (C + R)` gathered values;
+- `dense` over every key slot, with the selection as a mask (the reference, `impl="dense"`, and
+  the path wherever a layer sees at most K key slots): expanded (kv_b rebuilds per-head keys
+  and values) or absorbed (kv_b folded into the query and the output);
+- `blocked`: dense attention with an online softmax over key blocks, stopping at the last
+  visible key: layers without DSA (the MTP block) over a long cache.
 """
 
 from __future__ import annotations
@@ -17,63 +24,53 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from glmjax.model import kvcache
 from glmjax.model.config import Config
+from glmjax.model.kvcache import LayerCache
 from glmjax.model.layers import F32, LATENT_NORM_EPS, layer_norm, linear, rms_norm, rope_angles, rope_interleaved
 from glmjax.model.weights import Attention, Indexer
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerCache:
-  latent: Any  # [B, T, C] normalised kv latent
-  k_rope: Any  # [B, T, R] roped shared key
-  index_k: Any  # [B, T, I] indexer keys (full-indexer layers), else None
+IMPLS = ("sparse", "dense")
+# Query blocks of the sparse path gather at most this many key values (128 MB in float32).
+GATHER_ELEMS = 1 << 25
+# The indexer's logits of one key block `[B, Sq, G, Tb]` hold at most this many values.
+INDEX_ELEMS = 1 << 24
+MAX_INDEX_BLOCK = 16384  # key slots per indexer block at most
+# Non-DSA layers attend densely in one piece up to this many key slots, then in key blocks
+# with an online softmax (whose scores `[B, S, H, Tb]` hold at most BLOCKED_ELEMS values).
+DENSE_MAX_SLOTS = 4096
+BLOCKED_ELEMS = 1 << 25
+FRESH_PAGE = 2048  # a cache-less forward's keys are seen as pages of this many positions
 
 
 @dataclasses.dataclass(frozen=True)
-class Keys:
-  """The keys one attention call sees: fresh ones (no cache) or a cache's contents."""
-  latent: Any  # [B, T, C]
-  k_rope: Any  # [B, T, R]
-  index_k: Any  # [B, T, I] or None
-  positions: Any  # [T]
+class KeyView:
+  """The keys one attention call sees, through a page table: pools `[P, PS, X]`, `pages`
+  `[B, W]`; key slot t of row b is position t of that row (a cache), or fresh token t."""
+  latent: Any
+  k_rope: Any
+  index_k: Any  # or None
+  pages: Any
+
+  @property
+  def page_size(self) -> int:
+    return next(p for p in (self.latent, self.index_k) if p is not None).shape[1]
+
+  @property
+  def slots(self) -> int:
+    return self.pages.shape[1] * self.page_size
+
+  def dense(self, name: str):
+    """Every slot of pool `name`, in float32: `[B, T, X]`."""
+    pool = getattr(self, name)
+    return kvcache.read_pages(pool, self.pages, 0, self.pages.shape[1]).astype(F32)
 
 
-def _write(buf, new, start):
-  """Writes `new` [B, S, X] into `buf` [B, T, X] at sequence offset `start` (int32 `[]`, or
-  `[B]`: one offset per row, for batched decoding of sequences at different lengths)."""
-  new = new.astype(buf.dtype)
-  if jnp.ndim(start) == 1:
-    put = lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0))  # [T, X] ← [S, X] at s
-    return jax.vmap(put)(buf, new, start)
-  return jax.lax.dynamic_update_slice(buf, new, (0, start, 0))
+def _pow2_floor(n: int) -> int:
+  return 1 << max(0, int(n).bit_length() - 1)
 
 
-def indexer_select(ix: Indexer, x, q_lat, keys: Keys, visible, cfg: Config, cos, sin):
-  """DSA top-k key selection `[B, S, T]` (bool), or None where attention stays dense.
-
-  Index score I[s, t] = Σ_g w[s, g] · relu(q[s, g]·k[t] / √I) / √G; each query keeps its top
-  `index_topk` visible keys. A query that sees no more keys than that keeps them all, which is
-  why nothing is computed while the key count is statically ≤ index_topk.
-  """
-  b, s, _ = x.shape
-  t = keys.positions.shape[0]
-  if cfg.index_topk >= t:
-    return None
-  g, i, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-  q = linear(q_lat, ix.wq_b).reshape(b, s, g, i)  # [B, S, G, I]
-  q = jnp.concatenate([rope_interleaved(q[..., :r], cos[:, :, None], sin[:, :, None]),
-                       q[..., r:]], axis=-1)
-  logits = jnp.einsum("bsgi,bti->bsgt", q, keys.index_k.astype(F32)) * i ** -0.5
-  w = linear(x, ix.weights_proj) * g ** -0.5  # [B, S, G]
-  score = jnp.einsum("bsg,bsgt->bst", w, jax.nn.relu(logits))  # [B, S, T]
-  score = jnp.where(visible, score, -jnp.inf)
-  _, top = jax.lax.top_k(score, cfg.index_topk)  # [B, S, K]
-  # A scatter of the kept indices: comparing every kept index with every key instead builds
-  # [B, S, K, T] (3.3× slower for 1024 queries: 92 against 28 ms on 2 cores).
-  rows = (jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None])
-  return jnp.zeros((b, s, t), bool).at[(*rows, top)].set(True)  # [B, S, T]
-
+# --- the indexer -------------------------------------------------------------------------------
 
 def indexer_keys(ix: Indexer, x, cfg: Config, cos, sin):
   """Indexer keys `[B, S, I]` of the current tokens: LayerNorm(wk x), roped on the first R dims."""
@@ -82,25 +79,207 @@ def indexer_keys(ix: Indexer, x, cfg: Config, cos, sin):
   return jnp.concatenate([rope_interleaved(k[..., :r], cos, sin), k[..., r:]], axis=-1)
 
 
+def indexer_queries(ix: Indexer, x, q_lat, cfg: Config, cos, sin):
+  """The indexer's queries `[B, S, G, I]` (roped on the first R dims) and head weights
+  `[B, S, G]` (including the 1/√G of the score)."""
+  b, s, _ = x.shape
+  g, i, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+  q = linear(q_lat, ix.wq_b).reshape(b, s, g, i)
+  q = jnp.concatenate([rope_interleaved(q[..., :r], cos[:, :, None], sin[:, :, None]),
+                       q[..., r:]], axis=-1)
+  return q, linear(x, ix.weights_proj) * g ** -0.5
+
+
+def index_scores(q, w, keys):
+  """I[s, t] = Σ_g w[s, g] · relu(q[s, g]·k[t] / √I): `[B, S, T]` for keys `[B, T, I]`. The
+  reference and the blocked indexer both score through this, so their scores agree bitwise."""
+  logits = jnp.einsum("bsgi,bti->bsgt", q, keys) * q.shape[-1] ** -0.5
+  return jnp.einsum("bsg,bsgt->bst", w, jax.nn.relu(logits))
+
+
+def select_dense(q, w, keys, visible, k: int):
+  """The reference selection: the top `k` visible keys of every query by index score, ties
+  toward the earliest slot (`lax.top_k` is stable). `[B, S, k]` slots, -1 where a query sees
+  fewer than `k` keys."""
+  score = jnp.where(visible, index_scores(q, w, keys), -jnp.inf)
+  vals, top = jax.lax.top_k(score, k)
+  return jnp.where(vals > -jnp.inf, top, -1)
+
+
+def select_blocked(view: KeyView, q, w, q_slots, k: int, block_pages: int):
+  """`select_dense` without ever holding a query's scores over every key: key blocks of
+  `block_pages` pages are scored in turn and merged into a running top-`k`, stopping after
+  the last block a query of this call can see.
+
+  The merge keeps `select_dense`'s order: the running entries (sorted, ties by slot) come
+  before the block's (ascending slots) in the array `top_k` reads, so a tie goes to the
+  earlier slot exactly as in one top-k over all keys."""
+  b, sq = q.shape[:2]
+  block = block_pages * view.page_size
+  n_blocks = jnp.minimum(jnp.max(q_slots) // block + 1, -(-view.pages.shape[1] // block_pages))
+
+  def merge(j, carry):
+    vals, top = carry
+    keys = kvcache.read_pages(view.index_k, view.pages, j * block_pages, block_pages)
+    slots = j * block + jnp.arange(block, dtype=jnp.int32)
+    score = index_scores(q, w, keys.astype(F32))  # [B, Sq, Tb]
+    score = jnp.where(slots[None, None, :] <= q_slots[:, :, None], score, -jnp.inf)
+    vals, at = jax.lax.top_k(jnp.concatenate([vals, score], axis=-1), k)
+    kept = jnp.take_along_axis(top, jnp.minimum(at, k - 1), axis=-1)
+    return vals, jnp.where(at < k, kept, j * block + at - k)
+
+  init = (jnp.full((b, sq, k), -jnp.inf, F32), jnp.full((b, sq, k), -1, jnp.int32))
+  vals, top = jax.lax.fori_loop(0, n_blocks, merge, init)
+  return jnp.where(vals > -jnp.inf, top, -1)
+
+
+def selection_mask(selection, slots: int):
+  """A selection `[B, S, K]` (-1: none) as a `[B, S, T]` mask, by a scatter of the kept slots
+  (comparing every kept slot with every key instead builds `[B, S, K, T]`: 3.3× slower for
+  1024 queries, 92 against 28 ms on 2 cores)."""
+  b, s, _ = selection.shape
+  rows = (jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None])
+  at = jnp.where(selection >= 0, selection, slots)  # out of range: dropped
+  return jnp.zeros((b, s, slots), bool).at[(*rows, at)].set(True, mode="drop")
+
+
+# --- attending ---------------------------------------------------------------------------------
+
+def _attend_selected(view: KeyView, q_abs, q_rope, selection, scale: float):
+  """Absorbed attention of queries `[B, Sq, H, C|R]` over their selected slots `[B, Sq, K]`:
+  the context `[B, Sq, H, C]`."""
+  rows = kvcache.slot_rows(view.pages, jnp.maximum(selection, 0), view.page_size)
+  lat = kvcache.gather(view.latent, rows).astype(F32)  # [B, Sq, K, C]
+  rope = kvcache.gather(view.k_rope, rows).astype(F32)  # [B, Sq, K, R]
+  score = (jnp.einsum("bshc,bskc->bshk", q_abs, lat)
+           + jnp.einsum("bshr,bskr->bshk", q_rope, rope))
+  ok = (selection >= 0)[:, :, None]  # [B, Sq, 1, K]
+  p = jnp.where(ok, jax.nn.softmax(jnp.where(ok, score * scale, -jnp.inf), axis=-1), 0.0)
+  return jnp.einsum("bshk,bskc->bshc", p, lat)
+
+
+def _in_query_blocks(fn, block: int, *arrays):
+  """`fn` over query blocks of `block` positions (axis 1 of every array, padded to whole
+  blocks), results concatenated back: bounds the temporaries of one call by the block."""
+  s = arrays[0].shape[1]
+  n = -(-s // block)
+  if n == 1:
+    return fn(*arrays)
+
+  def split(a):
+    a = jnp.pad(a, [(0, 0), (0, n * block - s)] + [(0, 0)] * (a.ndim - 2))
+    return jnp.moveaxis(a.reshape(a.shape[0], n, block, *a.shape[2:]), 1, 0)
+
+  out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in arrays))
+
+  def join(o):
+    o = jnp.moveaxis(o, 0, 1)
+    return o.reshape(o.shape[0], n * block, *o.shape[3:])[:, :s]
+  return jax.tree_util.tree_map(join, out)
+
+
+def sparse_attend(view: KeyView, q_abs, q_rope, q_slots, cfg: Config, selection=None,
+                  index_q=None):
+  """DSA attention over a view with more key slots than K: each query's top-K keys (from
+  `index_q` = (queries, head weights) of this layer's indexer, or the given `selection`),
+  gathered and attended in query blocks. Returns (context `[B, S, H, C]`, selection)."""
+  b, s, h, c = q_abs.shape
+  k = cfg.index_topk
+  q_slots = jnp.broadcast_to(q_slots, (b, s))
+  width = c + q_rope.shape[-1]
+  block = int(max(1, min(s, _pow2_floor(GATHER_ELEMS // (b * k * width)))))
+
+  def one(q_abs, q_rope, q_slots, *rest):
+    if selection is None:
+      q, w = rest
+      g = q.shape[2]
+      tb = min(MAX_INDEX_BLOCK, _pow2_floor(max(1, INDEX_ELEMS // (b * q.shape[1] * g))))
+      sel = select_blocked(view, q, w, q_slots, k,
+                           max(1, min(view.pages.shape[1], tb // view.page_size)))
+    else:
+      (sel,) = rest
+    return _attend_selected(view, q_abs, q_rope, sel, cfg.attn_scale), sel
+
+  rest = index_q if selection is None else (selection,)
+  return _in_query_blocks(one, block, q_abs, q_rope, q_slots, *rest)
+
+
+def blocked_attend(view: KeyView, q_abs, q_rope, q_slots, scale: float):
+  """Dense absorbed attention with an online softmax over key blocks, up to the last key
+  slot a query here can see: `[B, S, H, C]` context, temporaries bounded by the block."""
+  b, s, h, c = q_abs.shape
+  q_slots = jnp.broadcast_to(q_slots, (b, s))
+  ps = view.page_size
+  block_pages = max(1, min(view.pages.shape[1],
+                           _pow2_floor(max(1, BLOCKED_ELEMS // (b * s * h))) // ps))
+  block = block_pages * ps
+  n_blocks = jnp.minimum(jnp.max(q_slots) // block + 1, -(-view.pages.shape[1] // block_pages))
+
+  def step(j, carry):
+    m, l, acc = carry
+    lat = kvcache.read_pages(view.latent, view.pages, j * block_pages, block_pages).astype(F32)
+    rope = kvcache.read_pages(view.k_rope, view.pages, j * block_pages, block_pages).astype(F32)
+    slots = j * block + jnp.arange(block, dtype=jnp.int32)
+    score = jnp.einsum("bshc,btc->bsht", q_abs, lat) + jnp.einsum("bshr,btr->bsht", q_rope, rope)
+    seen = (slots[None, None, :] <= q_slots[:, :, None])[:, :, None]  # [B, S, 1, Tb]
+    score = jnp.where(seen, score * scale, -jnp.inf)
+    m_new = jnp.maximum(m, score.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with nothing seen yet
+    p = jnp.where(seen, jnp.exp(score - safe[..., None]), 0.0)
+    corr = jnp.where(jnp.isfinite(m), jnp.exp(m - safe), 0.0)
+    return (m_new, l * corr + p.sum(-1),
+            acc * corr[..., None] + jnp.einsum("bsht,btc->bshc", p, lat))
+
+  init = (jnp.full((b, s, h), -jnp.inf, F32), jnp.zeros((b, s, h), F32),
+          jnp.zeros((b, s, h, c), F32))
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+  return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def dense_attend(view: KeyView, q_nope, q_rope, mask, w_uk, w_uv, scale: float, absorbed: bool):
+  """Attention over every key slot of the view with `mask` `[B|1, S, T]`: `[B, S, H, V]`."""
+  latent, k_rope = view.dense("latent"), view.dense("k_rope")  # [B, T, C], [B, T, R]
+  rope_score = jnp.einsum("bshr,btr->bhst", q_rope, k_rope)
+  if absorbed:
+    q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, S, H, C]
+    score = jnp.einsum("bshc,btc->bhst", q_abs, latent) + rope_score
+  else:
+    k_nope = jnp.einsum("btc,hnc->bthn", latent, w_uk)  # [B, T, H, N]
+    score = jnp.einsum("bshn,bthn->bhst", q_nope, k_nope) + rope_score
+  score = jnp.where(mask[:, None], score * scale, -jnp.inf)
+  p = jax.nn.softmax(score, axis=-1)  # [B, H, S, T]
+  if absorbed:
+    ctx = jnp.einsum("bhst,btc->bshc", p, latent)  # [B, S, H, C]
+    return jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
+  vals = jnp.einsum("btc,hvc->bthv", latent, w_uv)  # [B, T, H, V]
+  return jnp.einsum("bhst,bthv->bshv", p, vals)
+
+
+# --- one attention block -----------------------------------------------------------------------
+
 def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None = None,
-              start=None, selection=None, absorbed: bool = False):
+              pages=None, start=None, selection=None, absorbed: bool = False,
+              impl: str = "sparse"):
   """One MLA attention block.
 
   Args:
     x: `[B, S, D]` input-normed hidden states.
     positions: `[S]` absolute positions of the queries, or `[B, S]` (one row per sequence, each
       at its own length: batched decoding); `start` is then `[B]`.
-    cache: this layer's cache, written at `start` and attended over; None attends only to the
-      S fresh tokens (a full teacher-forced forward).
-    selection: the previous full indexer layer's selection, reused by "shared" layers.
-    absorbed: run the absorbed (latent-space) path.
+    cache: this layer's pool, written at `start` through `pages` `[B, W]` and attended over;
+      None attends only to the S fresh tokens (a full teacher-forced forward).
+    selection: the previous full indexer layer's selection `[B, S, K]` (slots, -1 none),
+      reused by "shared" layers.
+    absorbed: the absorbed (latent-space) form where attention is dense (the sparse and blocked
+      paths are always absorbed).
+    impl: "sparse" (DSA attends to the selected keys only) or "dense" (the masked reference).
 
   Returns:
-    (out `[B, S, D]`, new cache, selection `[B, S, T]` bool or None).
+    (out `[B, S, D]`, new layer cache, selection `[B, S, K]` or None where attention is dense).
   """
   b, s, _ = x.shape
-  h, n, r, v, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                   cfg.v_head_dim, cfg.kv_lora_rank)
+  h, n, r, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                cfg.kv_lora_rank)
   cos, sin = rope_angles(positions, r, cfg.rope_theta)  # [S, R/2] or [B, S, R/2]
   if positions.ndim == 1:
     cos, sin = cos[None], sin[None]  # [1, S, R/2]
@@ -117,40 +296,46 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     k_rope = rope_interleaved(kv[..., c:], cos, sin)  # [B, S, R]
     index_k = indexer_keys(w.indexer, x, cfg, cos, sin) if w.indexer is not None else None
 
-  if cache is None:
-    keys = Keys(latent, k_rope, index_k, positions)
+  if cache is None:  # the fresh tokens are the keys: slot t is token t
+    page = min(FRESH_PAGE, s)
+    pools = [kvcache.as_pool(a, page) if a is not None else (None, None)
+             for a in (latent, k_rope, index_k)]
+    view = KeyView(pools[0][0], pools[1][0], pools[2][0], pools[0][1])
+    q_slots = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]
   else:
-    cache = LayerCache(
-        latent=_write(cache.latent, latent, start),
-        k_rope=_write(cache.k_rope, k_rope, start),
-        index_k=None if cache.index_k is None else _write(cache.index_k, index_k, start))
-    t = cache.latent.shape[1]
-    keys = Keys(cache.latent.astype(F32), cache.k_rope.astype(F32),
-                cache.index_k, jnp.arange(t, dtype=positions.dtype))
+    write = lambda pool, new: kvcache.write(pool, new, pages, start)
+    cache = LayerCache(latent=write(cache.latent, latent), k_rope=write(cache.k_rope, k_rope),
+                       index_k=None if cache.index_k is None else write(cache.index_k, index_k))
+    view = KeyView(cache.latent, cache.k_rope, cache.index_k, pages)
+    q_slots = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
 
-  rows = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
-  visible = keys.positions[None, None, :] <= rows[:, :, None]  # [B|1, S, T]
-  if w.indexer is not None:
-    with jax.named_scope("indexer"):
-      selection = indexer_select(w.indexer, x, q_lat, keys, visible, cfg, cos, sin)
-  mask = visible if selection is None else visible & selection  # [B|1, S, T]
-
-  kv_b = w.kv_b.astype(F32).reshape(h, n + v, c)
+  kv_b = w.kv_b.astype(F32).reshape(h, n + cfg.v_head_dim, c)
   w_uk, w_uv = kv_b[:, :n], kv_b[:, n:]  # [H, N, C], [H, V, C]
+  dsa = w.indexer is not None or selection is not None
+  sparse = dsa and impl == "sparse" and view.slots > cfg.index_topk
   with jax.named_scope("attend"):
-    rope_score = jnp.einsum("bshr,btr->bhst", q_rope, keys.k_rope)
-    if absorbed:
+    if sparse or (not dsa and view.slots > DENSE_MAX_SLOTS):
       q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, S, H, C]
-      score = jnp.einsum("bshc,btc->bhst", q_abs, keys.latent) + rope_score
-    else:
-      k_nope = jnp.einsum("btc,hnc->bthn", keys.latent, w_uk)  # [B, T, H, N]
-      score = jnp.einsum("bshn,bthn->bhst", q_nope, k_nope) + rope_score
-    score = jnp.where(mask[:, None], score * cfg.attn_scale, -jnp.inf)
-    p = jax.nn.softmax(score, axis=-1)  # [B, H, S, T]
-    if absorbed:
-      ctx = jnp.einsum("bhst,btc->bshc", p, keys.latent)  # [B, S, H, C]
+      if sparse:
+        index_q = None
+        if w.indexer is not None:
+          with jax.named_scope("indexer"):
+            index_q = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
+          selection = None
+        ctx, selection = sparse_attend(view, q_abs, q_rope, q_slots, cfg, selection, index_q)
+      else:
+        ctx = blocked_attend(view, q_abs, q_rope, q_slots, cfg.attn_scale)
       out = jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
     else:
-      vals = jnp.einsum("btc,hvc->bthv", keys.latent, w_uv)  # [B, T, H, V]
-      out = jnp.einsum("bhst,bthv->bshv", p, vals)
-  return linear(out.reshape(b, s, h * v), w.o), cache, selection
+      slots = jnp.arange(view.slots, dtype=jnp.int32)
+      mask = slots[None, None, :] <= q_slots[:, :, None]  # [B|1, S, T]
+      if w.indexer is not None and view.slots > cfg.index_topk:
+        with jax.named_scope("indexer"):
+          q_idx, w_idx = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
+          selection = select_dense(q_idx, w_idx, view.dense("index_k"), mask, cfg.index_topk)
+      elif w.indexer is not None:
+        selection = None  # a query that sees no more than K keys keeps them all
+      if selection is not None:
+        mask = mask & selection_mask(selection, view.slots)
+      out = dense_attend(view, q_nope, q_rope, mask, w_uk, w_uv, cfg.attn_scale, absorbed)
+  return linear(out.reshape(b, s, h * cfg.v_head_dim), w.o), cache, selection

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from glmjax.model.attention import LayerCache, attention
+from glmjax.model.attention import attention
 from glmjax.model.config import Config
+from glmjax.model.kvcache import KVCache, LayerCache, init_cache  # noqa: F401 (re-exported)
 from glmjax.model.layers import F32, linear, rms_norm, swiglu
 from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
                               route_capped, route_scores)
@@ -31,39 +32,18 @@ from glmjax.model.quant import ExpertPool
 from glmjax.model.weights import MoE, Weights
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-  """Per-layer latent caches plus the number of positions written: `length` int32 `[]` (every
-  row alike), or `[B]` (batched decoding: each row a sequence of its own length)."""
-  layers: Any  # list[LayerCache]
-  length: Any
-
-
 def bucket(n: int, minimum: int = 1) -> int:
   """Next power of two ≥ max(n, minimum): pads lengths so few shapes get compiled."""
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def init_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32,
-               sharding=None) -> KVCache:
-  """An empty cache for `batch` sequences of up to `capacity` positions, on the first device
-  or, on a mesh, with `sharding` (a `NamedSharding`)."""
-  # Committed, as every jit's output is: one compiled variant.
-  device = jax.devices()[0] if sharding is None else sharding
-
-  def layer(i):
-    z = lambda n: jnp.zeros((batch, capacity, n), dtype, device=device)
-    return LayerCache(latent=z(cfg.kv_lora_rank), k_rope=z(cfg.qk_rope_head_dim),
-                      index_k=z(cfg.index_head_dim) if cfg.has_indexer(i) else None)
-  return KVCache(layers=[layer(i) for i in range(cfg.num_hidden_layers)],
-                 length=jnp.zeros((), jnp.int32, device=device))
-
-
 def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
-               resident=None, cache_route=None, expert_cap=None, n_valid=None):
+               resident=None, cache_route=None, expert_cap=None, n_valid=None, pages=None,
+               impl: str = "sparse"):
   """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
-  (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP.
+  (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP. `cache` is
+  this layer's pool, addressed through `pages` (glmjax.model.kvcache); `impl` the attention's
+  ("sparse", or the masked "dense" reference).
 
   Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
   flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
@@ -77,7 +57,8 @@ def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: 
   positions = start[:, None] + steps if jnp.ndim(start) == 1 else start + steps
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    a, cache, selection = attention(lw.attn, h, positions, cfg, cache, start, selection, absorbed)
+    a, cache, selection = attention(lw.attn, h, positions, cfg, cache, pages, start, selection,
+                                    absorbed, impl)
     x = x + a
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
@@ -132,7 +113,7 @@ class Steps:
 PURE = Steps(embed, attn_route, moe_finish, logits_of, mtp_input, mtp_output_logits)
 JITTED = Steps(
     jax.jit(embed),
-    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route", "expert_cap"),
+    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route", "expert_cap", "impl"),
             donate_argnames=("cache",)),
     jax.jit(moe_finish),
     jax.jit(logits_of, static_argnames=("cfg",)),
@@ -140,17 +121,31 @@ JITTED = Steps(
     jax.jit(mtp_output_logits, static_argnames=("cfg",)))
 
 
+@dataclasses.dataclass
+class Routed:
+  """One chunk's routing at a MoE layer: what an expert provider is given.
+
+  `x` is the post-attention residual `[B, S, D]` (the engine predicts the next layer's experts
+  from it); `flat` `[T = B·S, D]` the normed hidden states routed to `ids` `[T, K]`; positions
+  at or past `n_valid` in each sequence are padding, which never selects experts
+  (`valid_rows`); `route_stats` is cache-aware routing's per-token [swaps, overlap, kl] (None
+  when routing is exact)."""
+  x: Any
+  flat: Any
+  ids: Any
+  n_valid: Any = None
+  route_stats: Any = None
+
+
 class ExpertProvider(Protocol):
   """Supplies a MoE layer's routed-expert terms: where the experts live is its business."""
 
-  def __call__(self, layer: int, m: MoE, x, flat, ids, n_valid, route_stats):
-    """Unweighted terms `[T, K, D]` for `flat` `[T = B·S, D]` routed to `ids` `[T, K]`.
+  def __call__(self, layer: int, m: MoE, chunks: list[Routed]) -> Iterator:
+    """Unweighted terms `[T, K, D]` of each chunk, in order.
 
-    `x` is the post-attention residual `[B, S, D]` (the engine predicts the next layer's
-    experts from it); positions at or past `n_valid` in each sequence are padding, which never
-    selects experts (`valid_rows`); `route_stats` is cache-aware routing's per-token
-    [swaps, overlap, kl] (None when routing is exact).
-    """
+    A step is one chunk; a layer-major prefill gives every chunk of the prompt at once (so a
+    provider can read each expert once for all of them) and combines a chunk's terms before
+    asking for the next one's, so one chunk's terms are held at a time."""
 
 
 def resident_experts(kernel: str = "auto", mesh=None) -> ExpertProvider:
@@ -158,11 +153,13 @@ def resident_experts(kernel: str = "auto", mesh=None) -> ExpertProvider:
   quantized `ExpertPool` in slot = expert id order (a store that fits), computed inside the
   caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform). On a `mesh`
   with an `expert` axis the experts are sharded along it and computed by `sharded_terms`."""
-  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
-    active = valid_rows(x.shape, n_valid, jnp)[:, None]
-    if mesh is not None and "expert" in mesh.axis_names and mesh.shape["expert"] > 1:
-      return sharded_terms(flat, ids, active, m.experts, mesh, kernel)
-    return _terms(flat, ids, active, m.experts, kernel)
+  def provide(layer, m, chunks):
+    for r in chunks:
+      active = valid_rows(r.x.shape, r.n_valid, jnp)[:, None]
+      if mesh is not None and "expert" in mesh.axis_names and mesh.shape["expert"] > 1:
+        yield sharded_terms(r.flat, r.ids, active, m.experts, mesh, kernel)
+      else:
+        yield _terms(r.flat, r.ids, active, m.experts, kernel)
   return provide
 
 
@@ -235,11 +232,13 @@ def recording(experts: ExpertProvider, w: Weights, cfg: Config, out: list,
   for providers called between jitted steps)."""
   record = route_record_step if jitted else route_record
 
-  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
+  def provide(layer, m, chunks):
     nxt = w.layers[layer + 1] if layer + 1 < len(w.layers) else None
     nxt = nxt if nxt is not None and isinstance(nxt.mlp, MoE) else None
-    out.append(record(m, nxt, x, flat, ids, cfg=cfg, opts=opts))
-    return experts(layer, m, x, flat, ids, n_valid, route_stats)
+    recs = [record(m, nxt, r.x, r.flat, r.ids, cfg=cfg, opts=opts) for r in chunks]
+    out.append(recs[0] if len(recs) == 1 else  # a layer-major prefill: one record per layer
+               {k: jnp.concatenate([r[k] for r in recs]) for k in recs[0]})
+    yield from experts(layer, m, chunks)
   return provide
 
 
@@ -253,23 +252,41 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   the resident provider, combine; the same pieces as `forward`."""
   flat = x.reshape(-1, x.shape[-1]).astype(F32)  # [T, D]
   ids, w = route(flat, m.router, m.bias, cfg)
-  ys = resident_experts(kernel)(0, m, flat[None], flat, ids, None, None)
+  (ys,) = resident_experts(kernel)(0, m, [Routed(flat[None], flat, ids)])
   return moe_finish(m, jnp.zeros(x.shape, F32), flat, ys, w)
 
 
-def _layer(i: int, lw, x, start, n_valid, cfg: Config, cache, selection, absorbed,
-           experts: ExpertProvider, steps: Steps, route_args, expert_cap=None):
-  """One decoder layer through `steps`, its routed experts from `experts`."""
+@dataclasses.dataclass
+class Chunk:
+  """A piece of the token sequence going through the layers: its hidden states `[B, S, D]`,
+  first position (int32 `[]`, or `[B]` per row), real positions (`n_valid`, None: all) and
+  the selection the last full indexer layer made for it."""
+  x: Any
+  start: Any
+  n_valid: Any = None
+  selection: Any = None
+
+
+def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache, pages, absorbed,
+           experts: ExpertProvider, steps: Steps, route_args, expert_cap=None,
+           impl: str = "sparse"):
+  """One decoder layer through `steps` for every chunk in order, its routed experts from
+  `experts` (given all the chunks' routing at once). Returns the layer's cache."""
   resident, cache_route = route_args(i) if route_args is not None else (None, None)
-  cap = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": n_valid}
-  x, flat, ids, w, cache, selection, stats = steps.attn_route(
-      lw, x, start, cfg=cfg, cache=cache, selection=selection, absorbed=absorbed,
-      resident=resident, cache_route=cache_route, **cap)
-  if ids is not None:
+  routed, weights = [], []
+  for c in chunks:
+    cap = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": c.n_valid}
+    c.x, flat, ids, w, cache, c.selection, stats = steps.attn_route(
+        lw, c.x, c.start, cfg=cfg, cache=cache, selection=c.selection, absorbed=absorbed,
+        resident=resident, cache_route=cache_route, pages=pages, impl=impl, **cap)
+    routed.append(Routed(c.x, flat, ids, c.n_valid, stats))
+    weights.append(w)
+  if routed[0].ids is not None:
     with jax.named_scope("experts"):
-      ys = experts(i, lw.mlp, x, flat, ids, n_valid, stats)
-    x = steps.finish(lw.mlp, x, flat, ys, w)
-  return x, cache, selection
+      # Run the provider to its end (a zip would stop before the work after its last chunk).
+      for j, ys in enumerate(experts(i, lw.mlp, routed)):
+        chunks[j].x = steps.finish(lw.mlp, chunks[j].x, routed[j].flat, ys, weights[j])
+  return cache
 
 
 def valid_rows(shape, n_valid, xp=np):
@@ -283,9 +300,25 @@ def valid_rows(shape, n_valid, xp=np):
   return xp.broadcast_to(xp.arange(s) < n_valid, (b, s)).reshape(-1)
 
 
+def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None = None,
+           absorbed=False, experts: ExpertProvider | None = None, steps: Steps = PURE,
+           route_args=None, expert_cap: int | None = None, impl: str = "sparse"):
+  """The decoder layers over `chunks` (updated in place to the final pre-norm hidden states),
+  layer-major: every chunk through layer L, then layer L + 1. Returns the new cache's layers."""
+  experts = experts or resident_experts()
+  new_layers = []
+  for i, lw in enumerate(w.layers):
+    lc = None if cache is None else cache.layers[i]
+    pages = None if cache is None else cache.pages
+    new_layers.append(_layer(i, lw, chunks, cfg, lc, pages, absorbed, experts, steps,
+                             route_args, expert_cap, impl))
+  return new_layers
+
+
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
-            route_args=None, expert_cap: int | None = None, start=0):
+            route_args=None, expert_cap: int | None = None, start=0, impl: str = "sparse",
+            logits_at=None):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
@@ -294,37 +327,39 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   past `n_valid` are padding: they never select experts. Without a cache the tokens sit at
   `start`.. (0 by default); inside a jit, pass it as a traced int32 zero (`fresh_start()`): with a
   constant start XLA specialises the softmax on the constant causal mask and its bits differ
-  from the engine's layer steps, whose start is always a run-time value.
+  from the engine's layer steps, whose start is always a run-time value. With `logits_at`
+  (an int32 position index) the head runs at that position only: logits `[B, 1, V]`.
   """
-  experts = experts or resident_experts()
   start = start if cache is None else cache.length
-  x = steps.embed(w, tokens)  # [B, S, D]
-  new_layers, selection = [], None
-  for i, lw in enumerate(w.layers):
-    lc = None if cache is None else cache.layers[i]
-    x, lc, selection = _layer(i, lw, x, start, n_valid, cfg, lc, selection, absorbed, experts,
-                              steps, route_args, expert_cap)
-    new_layers.append(lc)
-  new_cache = None if cache is None else KVCache(new_layers, cache.length)
-  return steps.logits(w, x, cfg=cfg), x, new_cache
+  chunk = Chunk(steps.embed(w, tokens), start, n_valid)  # [B, S, D]
+  new_layers = layers(w, [chunk], cfg, cache, absorbed, experts, steps, route_args, expert_cap,
+                      impl)
+  new_cache = None if cache is None else KVCache(new_layers, cache.pages, cache.length)
+  x = chunk.x
+  head = x if logits_at is None else jax.lax.dynamic_slice_in_dim(x, logits_at, 1, axis=1)
+  return steps.logits(w, head, cfg=cfg), x, new_cache
 
 
-def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache=None, start=None,
-                absorbed: bool = False, experts: ExpertProvider | None = None,
-                steps: Steps = PURE, depth: int = 0, n_valid=None):
+def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None = None,
+                start=None, absorbed: bool = False, experts: ExpertProvider | None = None,
+                steps: Steps = PURE, depth: int = 0, n_valid=None, impl: str = "sparse"):
   """The MTP block at positions start..start+S-1 (0.. without a cache) over the main model's
   hidden states h `[B, S, D]` and the tokens after them `[B, S]`.
 
   This is the one MTP step, for training (teacher-forced, no cache), speculative drafting
-  (cached) and the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's output
-  `[B, S, D]`, the MTP layer cache). Its experts are layer `num_hidden_layers + depth`.
+  (cached: `cache` holds the MTP layer's pool, addressed by the main cache's page table) and
+  the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's output `[B, S, D]`,
+  the MTP cache). Its experts are layer `num_hidden_layers + depth`.
   """
   experts = experts or resident_experts()
   m = w.mtp[depth]
   u = steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
-  x, cache, _ = _layer(cfg.num_hidden_layers + depth, m.layer, u, 0 if start is None else start,
-                       n_valid, cfg, cache, None, absorbed, experts, steps, None)
-  return steps.mtp_logits(w, m, x, cfg=cfg), x, cache
+  chunk = Chunk(u, 0 if start is None else start, n_valid)
+  lc = _layer(cfg.num_hidden_layers + depth, m.layer, [chunk], cfg,
+              None if cache is None else cache.layers[0], None if cache is None else cache.pages,
+              absorbed, experts, steps, None, impl=impl)
+  new = None if cache is None else KVCache([lc], cache.pages, cache.length)
+  return steps.mtp_logits(w, m, chunk.x, cfg=cfg), chunk.x, new
 
 
 # --- jitted entry points -------------------------------------------------------------------
@@ -338,50 +373,60 @@ def fresh_start():
   return jnp.zeros((), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh"))
-def score_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto", mesh=None):
+# `impl` ("sparse" | "dense") is the attention's: DSA over the selected keys, or the masked
+# dense reference.
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh", "impl"))
+def score_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto", mesh=None,
+             impl: str = "sparse"):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`)."""
-  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh), start=start)[0]
+  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh), start=start,
+                 impl=impl)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts", "mesh"))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts", "mesh", "impl"))
 def record_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto",
-              opts: RecordOptions = RecordOptions(), mesh=None):
+              opts: RecordOptions = RecordOptions(), mesh=None, impl: str = "sparse"):
   """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept; `start`:
   `fresh_start()`): per MoE layer (in order), `route_record`'s arrays stacked to
   `[L, B·S, ...]`."""
   records: list = []
   forward(w, tokens, cfg, experts=recording(resident_experts(kernel, mesh), w, cfg, records, opts),
-          start=start)
+          start=start, impl=impl)
   return stack_records(records)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record", "mesh", "impl", "hidden"),
                    donate_argnames=("cache",))
 def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto",
-               record: RecordOptions | None = None, mesh=None):
-  """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache.
+               record: RecordOptions | None = None, mesh=None, impl: str = "sparse",
+               hidden: str = "last"):
+  """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache: one
+  prefill chunk.
 
-  Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there, cache advanced by
-  `n_valid`), plus the routing records (`record_fn`'s, padding rows included) when `record`
-  is given. Padding positions land beyond `length` and are overwritten before any query can
-  see them.
+  Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there (`hidden="all"`:
+  `[B, S, D]` at every position, the MTP head's inputs), cache advanced by `n_valid`), plus
+  the routing records (`record_fn`'s, padding rows included) when `record` is given. The head
+  runs at the last real token only. Padding positions land beyond `length` and are
+  overwritten before any query can see them.
   """
   records: list = []
   experts = resident_experts(kernel, mesh)
   if record is not None:
     experts = recording(experts, w, cfg, records, record)
-  logits, x, cache = forward(w, tokens, cfg, cache, experts=experts, n_valid=n_valid)
   last = n_valid - 1
-  out = logits[:, last], x[:, last], KVCache(cache.layers, cache.length + n_valid)
+  logits, x, cache = forward(w, tokens, cfg, cache, experts=experts, n_valid=n_valid, impl=impl,
+                             logits_at=last)
+  x = x if hidden == "all" else jax.lax.dynamic_index_in_dim(x, last, axis=1, keepdims=False)
+  out = logits[:, 0], x, KVCache(cache.layers, cache.pages, cache.length + n_valid)
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record", "mesh"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record", "mesh",
+                                             "impl"), donate_argnames=("cache",))
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
               absorbed: bool = True, record: RecordOptions | None = None, mesh=None,
-              n_valid=None):
+              n_valid=None, impl: str = "sparse"):
   """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
   plus the routing records when `record` is given. Batched decoding passes a cache with
   per-row `length` `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
@@ -390,14 +435,15 @@ def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "au
   if record is not None:
     experts = recording(experts, w, cfg, records, record)
   logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts,
-                             n_valid=n_valid)
-  out = logits, x, KVCache(cache.layers, cache.length + tokens.shape[1])
+                             n_valid=n_valid, impl=impl)
+  out = logits, x, KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1])
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh", "impl"),
+                   donate_argnames=("cache",))
 def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, kernel: str = "auto",
-           mesh=None):
+           mesh=None, impl: str = "sparse"):
   """Cached MTP step(s) at positions start..: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
   return mtp_forward(w, h, next_tokens, cfg, cache, start, absorbed=h.shape[1] <= 4,
-                     experts=resident_experts(kernel, mesh))
+                     experts=resident_experts(kernel, mesh), impl=impl)

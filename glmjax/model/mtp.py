@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
-from glmjax.model.attention import LayerCache
 from glmjax.model.config import Config
+from glmjax.model.kvcache import PAGE_SIZE, KVCache, identity_pages, init_pool
 from glmjax.model.layers import F32, linear, rms_norm
 from glmjax.model.weights import MTP, Weights
 
@@ -70,8 +71,12 @@ def mtp_logits(w: Weights, h, next_tokens, cfg: Config, positions=None, block: C
 
 
 def init_mtp_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32,
-                   sharding=None) -> LayerCache:
-  """An empty latent cache for the MTP block's own attention (placed with `sharding`, a
-  `NamedSharding`, on a mesh)."""
-  z = lambda n: jnp.zeros((batch, capacity, n), dtype, device=sharding)
-  return LayerCache(latent=z(cfg.kv_lora_rank), k_rope=z(cfg.qk_rope_head_dim), index_k=None)
+                   sharding=None) -> KVCache:
+  """An empty paged cache for the MTP block's own attention: `batch` rows of `capacity`
+  positions each, every row owning its pages (placed with `sharding`, a `NamedSharding`, on a
+  mesh). The simple form; generation takes the MTP layer's pages from its KV pool."""
+  w = -(-capacity // PAGE_SIZE)
+  layers = init_pool(cfg, 1 + batch * w, [cfg.num_hidden_layers], dtype, sharding=sharding)
+  device = jax.devices()[0] if sharding is None else sharding
+  return KVCache(layers, jax.device_put(identity_pages(batch, w), device),
+                 jax.device_put(jnp.zeros((), jnp.int32), device))

@@ -36,7 +36,8 @@ def _device_free() -> int | None:
 
 def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: int,
             n_moe_layers: int, n_experts: int, top_k: int) -> Budgets:
-  """Budgets in bytes. None means automatic; 0 disables a tier."""
+  """Budgets in bytes. None means automatic; 0 disables a tier. Called before the dense
+  weights (`dense_bytes`) are allocated: they are part of the plan."""
   total = n_moe_layers * n_experts * chunk_bytes
   working = 2 * min(n_experts, MAX_ROWS * top_k) * chunk_bytes
   avail = psutil.virtual_memory().available - _host_margin()
@@ -70,10 +71,10 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
                        f"{gb(room)} left after dense weights, working set and margin")
     return Budgets(device, host)
 
-  dev_room = free - max(GiB, free // 20) - working
+  dev_room = free - dense_bytes - max(GiB, free // 20) - working
   if dev_room < 0:
-    raise InputError(f"accelerator memory too small: the working set {gb(working)} does not fit "
-                     f"in {gb(free)} free after the dense weights")
+    raise InputError(f"accelerator memory too small: dense weights {gb(dense_bytes)} + working "
+                     f"set {gb(working)} do not fit in the {gb(free)} free")
   if device is None:
     device = max(0, min(total, dev_room))
   elif device > dev_room:

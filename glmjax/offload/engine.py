@@ -46,8 +46,9 @@ from glmjax.errors import InputError
 
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
-from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, forward, fresh_start,
-                                  mtp_forward, recording, sharded_terms, valid_rows)
+from glmjax.model.forward import (JITTED, Chunk, KVCache, RecordOptions, bucket, forward,
+                                  fresh_start, layers, mtp_forward, recording, sharded_terms,
+                                  valid_rows)
 from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms, resolve_kernel
 from glmjax.model.quant import ExpertPool, ExpertWeights
@@ -108,9 +109,10 @@ def _tier_terms(flat, valid, ids, pool, table):
   return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "impl"),
+                   donate_argnames=("cache",))
 def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cfg: Config,
-                  absorbed: bool):
+                  absorbed: bool, impl: str = "sparse"):
   """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
   (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
   through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
@@ -124,8 +126,10 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cf
   """
   ids_seen, missing = [], []
 
-  def provide(layer, m, x, flat, ids, n_valid, route_stats=None):
-    valid = valid_rows(x.shape, n_valid, jnp)[:, None]  # [T, 1]
+  def provide(layer, m, chunks):
+    (r,) = chunks
+    flat, ids = r.flat, r.ids
+    valid = valid_rows(r.x.shape, r.n_valid, jnp)[:, None]  # [T, 1]
     terms, found = jnp.zeros((*ids.shape, flat.shape[-1]), F32), jnp.zeros(ids.shape, bool)
     if tiers["slab"] is not None:
       terms, found = _tier_terms(flat, valid, ids, tiers["slab"], tiers["host"][layer])
@@ -134,10 +138,10 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cf
       terms, found = jnp.where(on_pin[..., None], pinned, terms), found | on_pin
     ids_seen.append(ids)
     missing.append(jnp.sum(valid & ~found))
-    return terms
+    yield terms
 
   logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
-                             n_valid=n_valid, start=start)  # start: run-time, as the layer steps'
+                             n_valid=n_valid, start=start, impl=impl)  # start: run-time, as the layer steps'
   # One int32 vector, so the host fetches the whole record in one transfer.
   record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
                             jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
@@ -242,10 +246,12 @@ class OffloadEngine:
                io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
                progress: bool = True, kernel: str = "auto", prefetch: bool = True,
                pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None,
-               expert_compute: str = "device", expert_budget: int | None = None, mesh=None):
+               expert_compute: str = "device", expert_budget: int | None = None, mesh=None,
+               attention: str = "sparse"):
     if expert_compute not in PLACEMENTS:
       raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
+    self.impl = attention  # the attention's: "sparse" (DSA) or the "dense" reference
     self.budgets = budgets
     self.expert_budget = expert_budget  # verify passes' expert cap (opt-in, lossy) or None
     self.kernel = resolve_kernel(kernel)  # the device kernel (pinned and uploaded experts)
@@ -536,25 +542,37 @@ class OffloadEngine:
     return nxt if nxt < len(layers) and isinstance(layers[nxt].mlp, MoE) else None
 
   # -- the expert providers -----------------------------------------------------------------
-  def _resident_terms(self, layer, m, x, flat, ids, n_valid, route_stats=None):
-    """All experts pinned: one jitted kernel call, no host round trip."""
-    valid = valid_rows(x.shape, n_valid)
-    return pool_terms_step(flat, self.device[layer].pool, ids, valid[:, None], kernel=self.kernel)
+  def _resident_terms(self, layer, m, chunks):
+    """All experts pinned: one jitted kernel call per chunk, no host round trip."""
+    for r in chunks:
+      valid = valid_rows(r.x.shape, r.n_valid)
+      yield pool_terms_step(r.flat, self.device[layer].pool, r.ids, valid[:, None],
+                            kernel=self.kernel)
 
-  def _tiered(self, layer, m, x, flat, ids, n_valid, route_stats=None):
-    """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers."""
-    valid = valid_rows(x.shape, n_valid)  # [T] bool: real tokens
+  def _tiered(self, layer, m, chunks):
+    """Unweighted expert terms `[T, K, D]` of one MoE layer through the tiers, chunk by chunk:
+    one union over every chunk (a layer-major prefill reads each expert once per layer), one
+    lookup and one bookkeeping pass per layer."""
     nxt = self._next_moe(layer)
-    pilot = None
-    if self._predicting and self.pilot_k and nxt is not None:
-      k = min(self.pilot_k, self.cfg.n_routed_experts)
-      pilot = pilot_step(self.dense.layers[nxt], x, cfg=self.cfg, k=k)
-    step = _Step.of(layer, flat, ids, valid)  # the host round trip
-    pilot = None if pilot is None else np.asarray(pilot)[valid]
+    steps, valids, pilots, stats = [], [], [], []
+    for r in chunks:
+      valid = valid_rows(r.x.shape, r.n_valid)  # [T] bool: real tokens
+      pilot = None
+      if self._predicting and self.pilot_k and nxt is not None:
+        k = min(self.pilot_k, self.cfg.n_routed_experts)
+        pilot = pilot_step(self.dense.layers[nxt], r.x, cfg=self.cfg, k=k)
+      steps.append(_Step.of(layer, r.flat, r.ids, valid))  # the host round trip
+      valids.append(valid)
+      pilots.append(None if pilot is None else np.asarray(pilot)[valid])
+      stats.append(None if r.route_stats is None else np.asarray(r.route_stats))
+    union = sorted(set().union(*(s.pairs for s in steps)))
     t0 = time.perf_counter()
-    pinned, cached, futures = self._account(layer, step.union, valid, route_stats, pilot)
+    pinned, cached, futures = self._account(
+        layer, union, np.concatenate(valids),
+        None if stats[0] is None else np.concatenate(stats),
+        None if pilots[0] is None else np.concatenate(pilots))
     self._stage("bookkeeping", t0)
-    return self._compute(step, pinned, cached, futures)
+    yield from self._compute(layer, steps, union, pinned, cached, futures)
 
   def _stage(self, name: str, t0: float, wait=None) -> float:
     """With stage timing on (`stage_s` a dict), adds the time since `t0` to stage `name`
@@ -622,80 +640,87 @@ class OffloadEngine:
     self.stats[f"misses_layer_{layer}"] += len(futures)
     return pinned, cached, futures
 
-  def _compute(self, step: _Step, pinned, cached, futures):
-    """Grouped compute of one layer step; the tiers are updated after, in union order.
+  def _compute(self, layer: int, steps: list[_Step], union, pinned, cached, futures):
+    """Grouped compute of one layer's chunks (`steps`), yielding each chunk's terms; the tiers
+    are updated after the last, in union order.
 
-    Pinned experts run as one kernel call over the pin pool, host-cached ones as one call over
-    the host slab (or uploaded, under device placement on an accelerator), and each miss on
-    its own as its read lands."""
+    Pinned experts run as one kernel call per chunk over the pin pool, host-cached ones as one
+    call over the host slab (or uploaded, under device placement on an accelerator), and each
+    miss on its own: in the first chunk as its read lands, so computing one miss overlaps
+    reading the next; later chunks find every read landed."""
     t_compute, wait0 = time.perf_counter(), self.reader.wait_s
-    layer, dev = step.layer, self.device.get(step.layer)
+    dev = self.device.get(layer)
     layout = self.store.layout(layer)
-    miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
     # On a mesh whatever is not pinned runs on the host (the CPU kernel), never uploaded.
     on_device = self.mesh is None and self._place(len(cached) + len(futures))
     # A CPU-only machine has no bus to cross: "device" placement computes where the bytes are,
     # with the same kernel (it is still counted as device placement).
     upload = on_device and not self.on_cpu
-    parts = []  # (active [T, K], terms), merged over the misses' terms
-    on_mesh = None  # the pinned (active, terms) on a mesh, merged last
-    if pinned and self.mesh is not None:  # each owner over its own pool, under shard_map
-      on_mesh = self._mesh_terms(step, dev, pinned)
-    elif pinned:  # the device kernel over the pin pool (on a CPU-only machine: the CPU kernel)
-      parts.append(self._pool_terms(step, dev.pool, dev.slot_of, pinned,
-                                    "cpu" if self.on_cpu else self.kernel))
     self.stats["experts_on_device"] += len(pinned)
     slab = self.slabs.slab(layer) if cached else None
     slots = {e: self.slabs.where[(layer, e)][1] for e in cached}
-    uploads: dict[int, ExpertWeights] = {}
-    if cached and upload:
-      uploads = {e: gather_slot(slab.pool, slots[e]) for e in cached}
-    elif cached:  # the CPU kernel over the host slab, one call
-      t0 = time.perf_counter()
-      parts.append(self._pool_terms(step, slab.pool, slots, cached, "cpu"))
-      if self.expert_compute == "auto" and not self.on_cpu:  # rates only matter for auto
-        parts[-1][1].block_until_ready()
-        self._rate("host", len(cached) * layout.nbytes, time.perf_counter() - t0)
-    arrived = {}
-    for (_, e), blob in self.reader.as_completed(futures):  # misses in completion order
-      arrived[e] = blob
-      self.stats["expert_bytes_read"] += blob.nbytes
-      if upload:
-        uploads[e] = layout.unpack(blob)
-      else:
+    arrived, weights = {}, {}  # the misses' bytes and unpacked views, until bookkeeping
+    uploaded = None  # (pool, slot_of) of the uploaded experts, built once for every chunk
+    for j, step in enumerate(steps):
+      mine = lambda experts: [e for e in experts if e in step.pairs]
+      parts = []  # (active [T, K], terms), merged over the misses' terms
+      on_mesh = None  # the pinned (active, terms) on a mesh, merged last
+      miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
+      if mine(pinned) and self.mesh is not None:  # each owner over its own pool (shard_map)
+        on_mesh = self._mesh_terms(step, dev, mine(pinned))
+      elif mine(pinned):  # the device kernel over the pin pool (CPU-only: the CPU kernel)
+        parts.append(self._pool_terms(step, dev.pool, dev.slot_of, mine(pinned),
+                                      "cpu" if self.on_cpu else self.kernel))
+      if mine(cached) and not upload:  # the CPU kernel over the host slab, one call
         t0 = time.perf_counter()
-        self._host_expert(step, e, layout.unpack(blob), miss_terms)
-        self._rate("host", blob.nbytes, time.perf_counter() - t0)
-    if uploads:
-      parts.append(self._upload_terms(step, uploads))
-    self.stats["experts_on_device" if on_device else "experts_on_host"] += len(cached) + len(
-        arrived)
-    out = jnp.asarray(miss_terms)
-    for active, terms in parts:
-      out = merge_terms(jnp.asarray(active), terms, out)
-    if self.mesh is not None:  # the host's terms replicated onto the mesh, then the pinned ones
-      out = jax.device_put(out, replicated(self.mesh))
-      if on_mesh is not None:
-        out = merge_terms(put(on_mesh[0], replicated(self.mesh)), on_mesh[1], out)
-    if self.stage_s is not None:  # compute: the step's time less what it waited for reads
-      self._stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
-      self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0
+        parts.append(self._pool_terms(step, slab.pool, slots, mine(cached), "cpu"))
+        if self.expert_compute == "auto" and not self.on_cpu:  # rates only matter for auto
+          parts[-1][1].block_until_ready()
+          self._rate("host", len(mine(cached)) * layout.nbytes, time.perf_counter() - t0)
+      if j == 0:  # the reads land while the first chunk computes
+        for (_, e), blob in self.reader.as_completed(futures):  # in completion order
+          arrived[e], weights[e] = blob, layout.unpack(blob)
+          self.stats["expert_bytes_read"] += blob.nbytes
+          if not upload and e in step.pairs:
+            t0 = time.perf_counter()
+            self._host_expert(step, e, weights[e], miss_terms)
+            self._rate("host", blob.nbytes, time.perf_counter() - t0)
+        if upload:
+          uploaded = self._upload(layer, {**{e: gather_slot(slab.pool, slots[e])
+                                             for e in cached}, **weights})
+        self.stats["experts_on_device" if on_device else "experts_on_host"] += (
+            len(cached) + len(arrived))
+      elif not upload:
+        for e in mine(weights):
+          self._host_expert(step, e, weights[e], miss_terms)
+      if uploaded is not None and mine(uploaded[1]):
+        parts.append(self._pool_terms(step, *uploaded, mine(uploaded[1]), self.kernel))
+      out = jnp.asarray(miss_terms)
+      for active, terms in parts:
+        out = merge_terms(jnp.asarray(active), terms, out)
+      if self.mesh is not None:  # the host's terms replicated onto the mesh, then the pinned
+        out = jax.device_put(out, replicated(self.mesh))
+        if on_mesh is not None:
+          out = merge_terms(put(on_mesh[0], replicated(self.mesh)), on_mesh[1], out)
+      if self.stage_s is not None and j == len(steps) - 1:  # less what it waited for reads
+        self._stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
+        self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0
+      yield out
     t0 = time.perf_counter()
     # Tier bookkeeping in union order, whatever order the reads completed in.
-    protect = {(layer, e) for e in step.union}
-    for e in step.union:
+    protect = {(layer, e) for e in union}
+    for e in union:
       if e in arrived:
         self._put_host((layer, e), arrived[e], protect)
     self.slabs.flush()
     sources = {}  # in union order: admission must not follow read completion order
-    for e in step.union:
+    for e in union:
       if e in arrived:
-        sources[e] = layout.unpack(arrived[e])
+        sources[e] = weights[e]
       elif e in slots:
         sources[e] = (slab.pool, slots[e])
-    self._admit(layer, step.union, sources)
+    self._admit(layer, union, sources)
     self._stage("bookkeeping", t0)
-    return out
 
   def _host_expert(self, step: _Step, e: int, w: ExpertWeights, out: np.ndarray) -> None:
     """Expert `e` applied by the CPU kernel to every real token that chose it."""
@@ -721,19 +746,20 @@ class OffloadEngine:
                                mesh=self.mesh, kernel="cpu" if self.on_cpu else self.kernel)
     return active, terms
 
-  def _upload_terms(self, step: _Step, weights: dict[int, ExpertWeights]):
-    """Host-held experts uploaded into a transient device pool and run by the device kernel
-    (expert_compute="device" on an accelerator)."""
+  def _upload(self, layer: int, weights: dict[int, ExpertWeights]):
+    """Host-held experts uploaded into a transient device pool for the device kernel
+    (expert_compute="device" on an accelerator): (pool, slot_of), or None when there are none."""
+    if not weights:
+      return None
     experts = sorted(weights)
     stacked = [weights[e] for e in experts]
     stacked += [stacked[-1]] * (bucket(len(experts)) - len(experts))  # few compiled shapes
     t0 = time.perf_counter()
     pool = as_device_pool(stacked)
-    nbytes = len(experts) * self.store.layout(step.layer).nbytes
+    nbytes = len(experts) * self.store.layout(layer).nbytes
     self.stats["h2d_bytes"] += nbytes
     self._rate("h2d", nbytes, time.perf_counter() - t0)
-    return self._pool_terms(step, pool, {e: s for s, e in enumerate(experts)}, experts,
-                            self.kernel)
+    return pool, {e: s for s, e in enumerate(experts)}
 
   def _rate(self, name: str, nbytes: int, seconds: float) -> None:
     if seconds > 0:
@@ -815,12 +841,48 @@ class OffloadEngine:
         experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
       out = forward(self.dense, tokens, self.cfg, cache, absorbed, experts=experts,
                     steps=self._steps(n_valid), n_valid=n_valid,
-                    route_args=self._route_args if aware else None, expert_cap=expert_cap)
+                    route_args=self._route_args if aware else None, expert_cap=expert_cap,
+                    impl=self.impl)
       if not self._dry:
         self._fused_ready = self.stats["expert_misses"] == misses
     if not self.all_resident and self._unsettled is None and not self._dry:
       self.heat.decay()  # else settle() decays, after the uses
     return out
+
+  def prefill(self, chunks: list, cache: KVCache, n_valid: int, record: list | None = None,
+              record_opts: RecordOptions = RecordOptions()):
+    """A prompt's chunks (token arrays `[B, S_j]`, only the last padded: its first `n_valid`
+    positions real) written at the cache's length, layer-major: every chunk through layer L,
+    then layer L + 1, the hidden states `[S, D]` held between layers. Each MoE layer's experts
+    are looked up, read and settled once for the whole prompt, and each chunk's terms are
+    combined before the next chunk's are computed. Returns (final hidden states per chunk
+    `[B, S_j, D]`, the cache with the prompt written; its length is the caller's)."""
+    if len(chunks) == 1:
+      _, x, cache = self.forward(chunks[0], cache, n_valid=n_valid, record=record,
+                                 record_opts=record_opts)
+      return [x], cache
+    self.settle()
+    self._prev_union = None
+    all_cached = self._all_cached()
+    self._predicting = self.prefetch and not all_cached
+    if self._fill and not all_cached:
+      self._fill_host()
+    misses = self.stats["expert_misses"]
+    experts = self._provider()
+    if record is not None:
+      experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
+    start, offsets = int(cache.length), np.cumsum([0] + [c.shape[1] for c in chunks[:-1]])
+    end = start + int(offsets[-1]) + n_valid  # past the last real position
+    pieces = [Chunk(JITTED.embed(self.dense, t), start + int(o),
+                    n_valid if j == len(chunks) - 1 else None)
+              for j, (t, o) in enumerate(zip(chunks, offsets))]
+    aware = self.cache_route is not None and not self.all_resident
+    new = layers(self.dense, pieces, self.cfg, cache, False, experts, self._steps(end=end),
+                 self._route_args if aware else None, None, self.impl)
+    self._fused_ready = self.stats["expert_misses"] == misses
+    if not self.all_resident:
+      self.heat.decay()
+    return [p.x for p in pieces], KVCache(new, cache.pages, cache.length)
 
   def precompile(self, tokens, cache: KVCache, absorbed: bool = True) -> KVCache:
     """Compiles the steps of a `tokens` `[B, S]` shape ahead of its first real step (a
@@ -845,10 +907,11 @@ class OffloadEngine:
       self.stats, self._fused_ready, self._prev_union = saved
     return cache
 
-  def _steps(self, n_valid=None):
+  def _steps(self, n_valid=None, end: int | None = None):
     """The jitted pieces, each timed into `stage_s` (waiting for its results) when on; while
     predicting, a dense layer followed by a MoE layer also hints the pilot's prediction of that
-    layer's experts (`_dense_pilot`)."""
+    layer's experts (`_dense_pilot`; its real rows: `n_valid`, or with `end` those before
+    position `end`, for the chunks of a prefill)."""
     steps = JITTED
     if self.stage_s is not None:
       def timed(name, fn):
@@ -863,10 +926,11 @@ class OffloadEngine:
           attn_route=timed("attention_route", JITTED.attn_route),
           finish=timed("combine", JITTED.finish), logits=timed("lm_head", JITTED.logits))
     if self._predicting and self.pilot_k:
-      steps = dataclasses.replace(steps, attn_route=self._dense_pilot(steps.attn_route, n_valid))
+      steps = dataclasses.replace(steps, attn_route=self._dense_pilot(steps.attn_route, n_valid,
+                                                                      end))
     return steps
 
-  def _dense_pilot(self, attn_route, n_valid):
+  def _dense_pilot(self, attn_route, n_valid, end=None):
     """`attn_route`, which after a dense layer whose successor is a MoE layer hints the pilot's
     prediction of that layer's experts from the dense layer's output, so their reads overlap
     the MoE layer's attention instead of waiting for its routing (the MoE → MoE pilot runs in
@@ -878,7 +942,8 @@ class OffloadEngine:
       if nxt is not None:
         k = min(self.pilot_k, self.cfg.n_routed_experts)
         pilot = np.asarray(pilot_step(self.dense.layers[nxt], out[0], cfg=self.cfg, k=k))
-        pred = {int(e) for e in np.unique(pilot[valid_rows(out[0].shape, n_valid)])}
+        nv = n_valid if end is None else min(max(end - int(start), 0), out[0].shape[1])
+        pred = {int(e) for e in np.unique(pilot[valid_rows(out[0].shape, nv)])}
         self.pilot_pred[nxt] = pred
         self.hint(nxt, sorted(pred), PILOT)
       return out
@@ -967,10 +1032,11 @@ class OffloadEngine:
     }
     nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers, self._zero)
-    static = dict(cfg=self.cfg, absorbed=absorbed)
+    static = dict(cfg=self.cfg, absorbed=absorbed, impl=self.impl)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
-    key = (tokens.shape, None if cache is None else cache.layers[0].latent.shape,
+    key = (tokens.shape, None if cache is None else (cache.layers[0].latent.shape,
+                                                     cache.pages.shape),
            None if nv is None else nv.shape, slab is None, absorbed)
     if key not in self._fused_compiled:
       t0 = time.perf_counter()
@@ -1051,7 +1117,7 @@ class OffloadEngine:
     self.settle()
     return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, cache,
                        jnp.asarray(start, jnp.int32), absorbed=h.shape[1] <= 4,
-                       experts=self._provider(), steps=JITTED)
+                       experts=self._provider(), steps=JITTED, impl=self.impl)
 
   def tier_state(self) -> dict:
     """The tiers' state as plain data (a live trace's starting point for the simulator):

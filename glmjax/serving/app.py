@@ -41,14 +41,16 @@ def _error(e: ApiError) -> JSONResponse:
   return JSONResponse(e.body, status_code=e.status)
 
 
-def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None):
+def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
+               kv_cache_gb: float | None = None):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
-  `max_batch` requests and `max_queue` waiting. `app.state.scheduler` is its scheduler; call
-  `app.state.scheduler.close()` when done."""
+  `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
+  (None: automatic, glmjax.serving.batch.kv_budget). `app.state.scheduler` is its scheduler;
+  call `app.state.scheduler.close()` when done."""
   name = name or model_name(model)
   if model.tokenizer is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
-  scheduler = Scheduler(model, max_batch, max_queue)
+  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb)
   gen = sampling.SamplingParams.from_generation_config(model.tokenizer.generation_config or {})
   defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 
@@ -93,6 +95,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
         scheduler.submit(job)
       except QueueFull as e:
         raise ApiError(429, str(e), None, "queue_full", "rate_limit_error") from None
+      except InputError as e:  # more than the batch can ever hold: its context or KV budget
+        raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
     except ApiError as e:
       return _error(e)
     reply = protocol.Reply(kind, name)

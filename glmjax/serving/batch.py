@@ -1,79 +1,87 @@
 """Continuous batching: a fixed-width decode batch that requests join and leave between steps.
 
-Letters: B batch width (`max_batch`), T cache capacity, V vocabulary.
+Letters: B batch width (`max_batch`), W pages a row can address, V vocabulary.
 
-Each request is prefilled alone (batch 1, the path `Model.generate` takes, with the same cache
-capacity, so its first token is `generate`'s), then its cache is copied into a free row of the
-batch cache. Every decode step runs all B rows at once with per-row lengths; empty rows are
-padding that routes no experts (`n_valid` 0), so the offload engine's union of experts in a
-layer step covers the live rows only, and each live row reads the same numbers whatever the
-other rows hold: a request's greedy output does not depend on what else is in the batch.
+The batch's rows share one pool of KV pages (glmjax.decoding.pages.KVPool) sized by a byte
+budget, not by `max_position_embeddings` per row: a request takes the pages its prompt and
+`max_tokens` need when it is admitted and gives them back when it leaves. It is prefilled
+alone (batch 1, chunk by chunk, straight into its pages, the steps `Model.generate` runs), then
+decodes with the others: every decode step runs all B rows at once with per-row lengths and
+page tables. Empty rows are padding that routes no experts (`n_valid` 0), so the offload
+engine's union of experts in a layer step covers the live rows only, and each live row reads
+the same numbers whatever the other rows hold: a request's greedy output does not depend on
+what else is in the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from glmjax.decoding.pages import GiB, KVPool, free_bytes
 from glmjax.errors import InputError
-from glmjax.model.forward import KVCache, bucket, decode_fn, init_cache
 
-
-@functools.partial(jax.jit, donate_argnames=("batch",))
-def _insert(batch: KVCache, one: KVCache, row):
-  """`batch` with `one`'s cache (batch 1, capacity ≤ T) written into row `row`, from position 0
-  (what lies past the row's length is never attended to). Lengths are the caller's."""
-  def put(dst, src):
-    if dst is None:
-      return None
-    return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), (row, 0, 0))
-  layers = [dataclasses.replace(d, **{f.name: put(getattr(d, f.name), getattr(s, f.name))
-                                      for f in dataclasses.fields(d)})
-            for d, s in zip(batch.layers, one.layers)]
-  return KVCache(layers, batch.length)
+AUTO_KV_SHARE = 4  # the automatic KV budget: at most a quarter of the memory still free
 
 
 @dataclasses.dataclass
 class Row:
-  """A live request in the batch: its `_Request`, the token to feed next, its cache length."""
-  req: object  # glmjax.api._Request
+  """A live request in the batch: its Request, the token to feed next, its cache length."""
+  req: object  # glmjax.decoding.generation.Request
   token: int
   length: int
+  pages: list
   tag: object = None  # the caller's handle (the scheduler's job)
+
+
+def kv_budget(model, width: int, context: int, kv_cache_gb: float | None) -> int:
+  """The batch's KV bytes: `kv_cache_gb`, or automatically enough for `width` rows of the
+  whole `context` but at most a quarter of the memory still free (at least one page)."""
+  layout = model.kv_layout()
+  if kv_cache_gb is not None:
+    if not kv_cache_gb > 0:
+      raise InputError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+    return int(kv_cache_gb * GiB)
+  full = width * layout.pages_for(context) * layout.page_bytes()
+  return max(layout.page_bytes(), min(full, free_bytes() // AUTO_KV_SHARE))
 
 
 class BatchDecoder:
   """Decodes up to `width` requests together over one model (resident or offloaded).
 
-  `admit` prefills a request and places it in a free row (or finishes it when its first token
-  already ends it); `step` advances every live row by one token and returns the rows that
-  finished. Not thread-safe: one thread drives it (the scheduler).
+  `admit` prefills a request into pages of the pool and a free row (or finishes it when its
+  first token already ends it); `step` advances every live row by one token and returns the
+  rows that finished. Not thread-safe: one thread drives it (the scheduler).
   """
 
-  def __init__(self, model, width: int, capacity: int | None = None):
+  def __init__(self, model, width: int, context: int | None = None,
+               kv_cache_gb: float | None = None):
     if width < 1:
       raise InputError(f"batch width must be ≥ 1, got {width}")
-    self.model = model
-    self.width = width
-    limit = capacity or model._max_context()
-    self.capacity = bucket(limit, 16)
-    self.cache = init_cache(model.config, width, self.capacity)
+    self.model, self.width = model, width
+    self.runner = model.runner
+    self.context = min(context or model.max_context, model.max_context)  # tokens a row may hold
+    layout = model.kv_layout()
+    self.kv_bytes = kv_budget(model, width, self.context, kv_cache_gb)
+    n_pages = self.kv_bytes // layout.page_bytes()
+    if n_pages < 1:
+      raise InputError(f"kv_cache_gb={self.kv_bytes / GiB:.4f} holds no KV page "
+                       f"({layout.page_bytes()} bytes of {layout.page_size} positions)")
+    from glmjax import sharding
+    where = None if model.mesh is None else sharding.replicated(model.mesh)
+    self.pool = KVPool(layout, 1 + n_pages, sharding=where, room=lambda: 1 << 62)
+    self.width_pages = layout.pages_for(self.context)  # W: the pages a row can address
     self.rows: list[Row | None] = [None] * width
-    self._step = None
     # Compiled at start-up, so the first requests that share the batch do not stall on it:
-    # the one decode shape of the batch.
-    tok = jnp.zeros((width, 1), jnp.int32)
-    if not model.offloaded:
-      n = jnp.zeros((width,), jnp.int32)
-      self._step = decode_fn.lower(model.weights, self._cache(), tok, n_valid=n, cfg=model.config,
-                                   kernel=model.options.moe_kernel).compile()
-    else:  # the engine's layer steps (and fused step) for [width, 1]; its tiers stay as they are
-      self.cache = KVCache(model.engine.precompile(tok, self._cache()).layers, None)
+    # the one decode shape of the batch (the engine's layer and fused steps for [B, 1]).
+    tok = np.zeros((width, 1), np.int32)
+    cache = self._cache()
+    if model.offloaded:
+      cache = model.engine.precompile(model.runner.put(tok), cache)
+    else:
+      cache = self.runner.step(cache, tok, self._lengths(), n_valid=np.zeros(width, np.int32))[2]
+    self.pool.update(cache)
 
   # --- state ---------------------------------------------------------------------------------
   @property
@@ -83,45 +91,71 @@ class BatchDecoder:
   def free(self) -> int:
     return self.width - self.live
 
+  @property
+  def capacity_tokens(self) -> int:
+    """Positions the whole pool holds: the most one request may take."""
+    return min(self.context, (self.pool.n_pages - 1) * self.pool.layout.page_size)
+
+  def pages_needed(self, n_tokens: int) -> int:
+    return self.pool.layout.pages_for(n_tokens)
+
+  def check_fits(self, n_tokens: int) -> None:
+    """Refuses a request the batch can never hold (its context or the whole KV budget)."""
+    if n_tokens > self.context:
+      raise InputError(f"prompt + max_tokens = {n_tokens} tokens exceed the context of "
+                       f"{self.context} tokens")
+    if self.pages_needed(n_tokens) > self.pool.n_pages - 1:
+      raise InputError(f"prompt + max_tokens = {n_tokens} tokens exceed the server's KV cache "
+                       f"budget of {self.capacity_tokens} tokens ({self.kv_bytes / GiB:.2f} GB, "
+                       "--kv_cache_gb)")
+
+  def can_admit(self, n_tokens: int) -> bool:
+    """A free row and free pages for `n_tokens` now."""
+    return self.free() > 0 and self.pages_needed(n_tokens) <= len(self.pool.free)
+
   def _lengths(self) -> np.ndarray:
     return np.asarray([0 if r is None else r.length for r in self.rows], np.int32)  # [B]
 
-  def _cache(self) -> KVCache:
-    return KVCache(self.cache.layers, jnp.asarray(self._lengths()))
+  def _cache(self, mtp: bool = False):
+    tables = np.zeros((self.width, self.width_pages), np.int32)
+    for i, r in enumerate(self.rows):
+      if r is not None:
+        tables[i] = self.pool.table(r.pages, self.width_pages)
+    return self.pool.cache(tables, self._lengths(), self.runner.put, mtp)
 
   def drop(self, tag) -> bool:
     """Frees the row of the request `tag` (a cancelled request); True if it held one."""
     for i, r in enumerate(self.rows):
       if r is not None and r.tag is tag:
+        self.pool.release(r.pages)
         self.rows[i] = None
         return True
     return False
 
   # --- work ----------------------------------------------------------------------------------
   def admit(self, prompt_ids: np.ndarray, req, tag=None) -> bool:
-    """Prefills `prompt_ids` `[S]` alone and emits its first token. Returns True when the
-    request is already finished (stop or length), else places it in a free row."""
-    from glmjax.api import _bucket, _padded
-    model = self.model
+    """Prefills `prompt_ids` `[S]` alone into pages of its own and emits its first token.
+    Returns True when the request is already finished (stop or length), else places it in a
+    free row. Needs `can_admit` for its tokens."""
     n = len(prompt_ids)
-    if n + req.max_new_tokens > self.capacity:
-      raise InputError(f"prompt ({n}) + max_tokens ({req.max_new_tokens}) exceed the batch "
-                       f"context {self.capacity}")
-    # The capacity Model.generate gives the same request: the same prefill, bit for bit.
-    cap = _bucket(max(_bucket(n), n + req.max_new_tokens))
-    if cap > self.capacity:  # the row's prefix holds it: it must fit
-      raise InputError(f"request cache {cap} exceeds the batch context {self.capacity}")
-    one = init_cache(model.config, 1, cap)
-    toks = _padded(prompt_ids, 0, cap)
-    prefill, _ = model._steps(one, toks)
-    logits, one = prefill(one, toks, n)
-    tok = req.picker.pick(logits[0])
+    total = n + req.max_new_tokens
+    self.check_fits(total)
+    if not self.can_admit(total):
+      raise InputError(f"no room now for {total} tokens: wait for a row and KV pages")
+    pages = self.pool.alloc(self.pages_needed(total), grow=False)
+    try:
+      one = self.pool.cache([self.pool.table(pages, self.width_pages)], 0, self.runner.put)
+      logits, _, one = self.runner.prefill(one, prompt_ids, 0)
+      self.pool.update(one)
+      tok = req.picker.pick(logits)
+    except BaseException:
+      self.pool.release(pages)
+      raise
     if req.emit(tok):
       req.finish()
+      self.pool.release(pages)
       return True
-    row = self.rows.index(None)
-    self.cache = _insert(self.cache, one, jnp.asarray(row, jnp.int32))
-    self.rows[row] = Row(req, tok, n, tag)
+    self.rows[self.rows.index(None)] = Row(req, tok, n, pages, tag)
     return False
 
   def step(self) -> list[Row]:
@@ -131,16 +165,9 @@ class BatchDecoder:
       return []
     tokens = np.asarray([[0 if r is None else r.token] for r in self.rows], np.int32)  # [B, 1]
     n_valid = live.astype(np.int32)  # [B]: empty rows are padding, they route nothing
-    cache = self._cache()
-    if self._step is not None:
-      logits, _, new = self._step(self.model.weights, cache, jnp.asarray(tokens),
-                                  n_valid=jnp.asarray(n_valid))
-      logits = logits[:, 0]  # [B, V]
-    else:
-      logits, _, new = self.model.engine.forward(jnp.asarray(tokens), cache, absorbed=True,
-                                                 n_valid=n_valid)
-      logits = logits[:, 0]
-    self.cache = KVCache(new.layers, None)  # lengths live on the host, per row
+    logits, _, cache = self.runner.step(self._cache(), tokens, self._lengths(), n_valid=n_valid)
+    self.pool.update(cache)
+    logits = logits[:, 0]  # [B, V]
     done = []
     for i, r in enumerate(self.rows):
       if r is None:
@@ -150,5 +177,6 @@ class BatchDecoder:
       if r.req.emit(r.token):
         r.req.finish()
         done.append(r)
+        self.pool.release(r.pages)
         self.rows[i] = None
     return done

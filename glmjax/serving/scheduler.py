@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from glmjax.errors import GlmjaxError, InputError
+from glmjax.decoding.pages import GiB
 from glmjax.serving.batch import BatchDecoder
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
@@ -75,13 +76,14 @@ class Scheduler:
   `max_queue` more wait. `submit` is called from the server's threads; the rest runs on the
   scheduler's own thread."""
 
-  def __init__(self, model, max_batch: int = 4, max_queue: int = 16):
+  def __init__(self, model, max_batch: int = 4, max_queue: int = 16,
+               kv_cache_gb: float | None = None):
     if max_queue < 0:
       raise InputError(f"max_queue must be ≥ 0, got {max_queue}")
     self.model = model
     self.max_queue = max_queue
-    self.batch = BatchDecoder(model, max_batch)
-    self.context = min(model._max_context(), self.batch.capacity)
+    self.batch = BatchDecoder(model, max_batch, kv_cache_gb=kv_cache_gb)
+    self.context = self.batch.context
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[int, Job] = {}  # admitted, decoding
     self._cond = threading.Condition()
@@ -94,7 +96,9 @@ class Scheduler:
 
   # --- called from the server ------------------------------------------------------------
   def submit(self, job: Job) -> None:
-    """Queues `job`; raises QueueFull when `max_queue` requests are waiting already."""
+    """Queues `job`; raises InputError when the batch can never hold it (its context or the
+    whole KV budget), QueueFull when `max_queue` requests are waiting already."""
+    self.batch.check_fits(self._tokens(job))
     with self._cond:
       if len(self._waiting) >= self.max_queue + self.batch.free():
         raise QueueFull(f"the queue is full ({self.max_queue} waiting requests); retry later")
@@ -106,9 +110,13 @@ class Scheduler:
     """Live rows, waiting requests and counters (the /health payload)."""
     with self._cond:
       jobs = list(self._jobs.values())
-      out = dict(live=self.batch.live, waiting=len(self._waiting), max_batch=self.batch.width,
-                 cancelling=sum(j.cancelled for j in jobs),
-                 max_queue=self.max_queue, peak_live=self.peak_live, **self.counts)
+      pool = self.batch.pool
+    out = dict(live=self.batch.live, waiting=len(self._waiting), max_batch=self.batch.width,
+               cancelling=sum(j.cancelled for j in jobs),
+               max_queue=self.max_queue, peak_live=self.peak_live, **self.counts,
+               kv={"budget_bytes": self.batch.kv_bytes, "pages": pool.n_pages - 1,
+                   "pages_free": len(pool.free), "page_size": pool.layout.page_size,
+                   "context": self.batch.context})
     if self.model.engine is not None:
       tel = self.model.engine.telemetry()
       out["engine"] = {k: tel.get(k, 0.0) for k in ENGINE_KEYS}
@@ -132,8 +140,8 @@ class Scheduler:
   def _run(self) -> None:
     while True:
       with self._cond:
-        while not self._stop and not (self._waiting and self.batch.free()) and (
-            self._held or not self.batch.live):
+        while not self._stop and not (self._waiting and self.batch.can_admit(
+            self._tokens(self._waiting[0]))) and (self._held or not self.batch.live):
           self._cond.wait()
         if self._stop:
           return
@@ -150,8 +158,8 @@ class Scheduler:
       del self._jobs[job.id]
       self.counts["cancelled"] += 1
     while self.batch.free():
-      with self._cond:
-        if not self._waiting:
+      with self._cond:  # in order: the head waits for pages rather than be overtaken
+        if not self._waiting or not self.batch.can_admit(self._tokens(self._waiting[0])):
           break
         job = self._waiting.popleft()
       self._admit(job)
@@ -189,6 +197,10 @@ class Scheduler:
     else:
       self._jobs[job.id] = job
 
+  @staticmethod
+  def _tokens(job: Job) -> int:
+    return len(job.prompt_ids) + job.settings.get("max_new_tokens", 0)
+
   def _finish(self, job: Job) -> None:
     self.counts["completed"] += 1
     job.push("done", job.summary())
@@ -216,4 +228,5 @@ class Scheduler:
       self.counts["failed"] += 1
       job.push("error", message)
     self._jobs.clear()
-    self.batch = BatchDecoder(self.model, self.batch.width, self.batch.capacity)
+    self.batch = BatchDecoder(self.model, self.batch.width, self.batch.context,
+                              self.batch.kv_bytes / GiB)
