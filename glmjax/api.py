@@ -80,9 +80,6 @@ class Model:
     """Prompt + generated tokens at most (the `max_context` option, else the config's)."""
     return self.options.max_context or self.config.max_position_embeddings
 
-  def _max_context(self) -> int:
-    return self.max_context
-
   @property
   def kv(self) -> KVPool:
     """The paged KV cache of this model's batch-1 calls (made on first use, grown on demand)."""

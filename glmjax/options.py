@@ -15,6 +15,7 @@ from glmjax.errors import InputError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 MAX_PREFILL_CHUNK = 1 << 16
+DEFAULT_PREFILL_CHUNK = 1024  # BUILD_NOTES §19: prefill speed and memory by chunk size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Options:
       selected keys only, gathered) or "dense" (every key scored, the selection applied as a
       mask: the reference, and what training distils the indexer from).
     prefill_chunk: a prompt longer than this is written into the KV cache chunk by chunk
-      (0 = one piece); bounds every step's temporaries.
+      (0 = one piece; None = DEFAULT_PREFILL_CHUNK, chosen by measurement); bounds every
+      step's temporaries.
     kv_dtype: the KV cache's latent and rope-key dtype ("float32", "bfloat16"; "auto" = the
       dense dtype, bfloat16 for float16 weights).
     index_dtype: the cached indexer keys' dtype ("float32", "bfloat16", "float8"; "auto" =
@@ -80,7 +82,7 @@ class Options:
   route_rank: int = 12
   expert_budget: int | None = None
   attention: str = "sparse"
-  prefill_chunk: int = 2048
+  prefill_chunk: int | None = None
   kv_dtype: str = "auto"
   index_dtype: str = "auto"
 
@@ -109,6 +111,8 @@ class Options:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
     if self.attention not in ("sparse", "dense"):
       raise InputError(f"attention must be 'sparse' or 'dense', got {self.attention!r}")
+    if self.prefill_chunk is None:  # frozen: the default is filled in once, here
+      object.__setattr__(self, "prefill_chunk", DEFAULT_PREFILL_CHUNK)
     if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
         or not 0 <= self.prefill_chunk <= MAX_PREFILL_CHUNK):
       raise InputError(f"prefill_chunk must be an integer in [0, {MAX_PREFILL_CHUNK}] (0 = one "

@@ -23,7 +23,7 @@ def persistent_compile_cache(path: str | None = None) -> str | None:
   return path
 
 
-def write_report(report: dict, path: str | None = None) -> str:
+def write_report(report: dict | list, path: str | None = None) -> str:
   """Prints `report` as JSON and, with `path`, writes it there atomically. Returns the text."""
   text = json.dumps(report, indent=1)
   if path:

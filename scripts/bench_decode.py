@@ -35,6 +35,8 @@ from absl import app, flags, logging
 import numpy as np
 
 FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
+                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("model", None, "Expert store; default: the embedded model, converted.")
 flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt text (ids 5..12 without a tokenizer).")
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per request.", lower_bound=1)
@@ -137,8 +139,9 @@ def main(argv):
     disk = disk_read_gbs(path, FLAGS.io_workers)
 
     # 2. compute: every expert resident, warm
-    resident = glmjax.load(path, progress=False, device_cache_gb=geo["expert_bytes_total"] * 2
-                           / 2**30, host_cache_gb=0)
+    resident = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk,
+                           device_cache_gb=geo["expert_bytes_total"] * 2 / 2**30,
+                           host_cache_gb=0)
     prompt = FLAGS.prompt if resident.tokenizer is not None else [5, 6, 7, 8, 9, 10, 11, 12]
     _request(resident, prompt)
     ref, compute_s = _request(resident, prompt)
@@ -147,7 +150,7 @@ def main(argv):
     gc.collect()
 
     # 3. the offloaded request: compiled by a warm-up, then measured cold with a live trace
-    warm = glmjax.load(path, progress=False, **budgets)
+    warm = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk, **budgets)
     warm.generate(prompt, FLAGS.max_new_tokens, stop_ids=[], trace=os.path.join(work, "warm"))
     warm.close()
     del warm
@@ -159,7 +162,7 @@ def main(argv):
         os.remove(usage)
       if FLAGS.cold:
         drop_page_cache(path)
-      return glmjax.load(path, progress=False, **budgets)
+      return glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk, **budgets)
 
     model = fresh()
     trace_dir = os.path.join(work, "trace")

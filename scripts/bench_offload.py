@@ -27,6 +27,8 @@ import numpy as np
 from glmjax.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
+                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
 flags.DEFINE_string("prompt", "import os\nimport sys\n\ndef main(", "Prompt text.")
 flags.DEFINE_integer("tokens", 48, "Tokens generated per run.")
@@ -55,7 +57,8 @@ def main(argv):
   def run(dev_frac, host_frac):
     if os.path.exists(usage):
       os.remove(usage)  # no pins learned from earlier runs: each budget starts alike
-    model = glmjax.load(path, progress=False, device_cache_gb=dev_frac * total / 2**30,
+    model = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk,
+                        device_cache_gb=dev_frac * total / 2**30,
                         host_cache_gb=host_frac * total / 2**30, io_workers=FLAGS.io_workers,
                         cold=FLAGS.cold)
     prompt = FLAGS.prompt if model.tokenizer is not None else [5, 6, 7, 8, 9, 10, 11, 12]

@@ -35,6 +35,8 @@ import numpy as np
 MAX_CLIENTS, MAX_REQUESTS = 64, 100  # the load is bounded whatever the flags say
 
 FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
+                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("url", None, "A running server (default: start one in-process).")
 flags.DEFINE_string("model", None, "HF checkpoint or expert store (in-process server); default: "
                     "embedded.")
@@ -141,7 +143,8 @@ def _start_server():
   from glmjax.serving.app import create_app
   opts = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb", "prefetch")
           if getattr(FLAGS, k) is not None}
-  model = glmjax.load(FLAGS.model, progress=False, max_context=FLAGS.max_context, **opts)
+  model = glmjax.load(FLAGS.model, progress=False, prefill_chunk=FLAGS.prefill_chunk,
+                      max_context=FLAGS.max_context, **opts)
   server_app = create_app(model, FLAGS.max_batch, FLAGS.max_queue)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

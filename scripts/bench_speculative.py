@@ -23,6 +23,8 @@ from absl import app, flags, logging
 from glmjax.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
+                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
 flags.DEFINE_integer("tokens", 64, "Tokens generated per run.")
 flags.DEFINE_list("host_fracs", ["0.25", "1.0"], "Host cache budgets, fractions of expert bytes.")
@@ -46,7 +48,7 @@ def main(argv):
     for f in ("usage.json", "couple.npy"):
       if os.path.exists(os.path.join(path, f)):
         os.remove(os.path.join(path, f))
-    model = glmjax.load(path, progress=False, device_cache_gb=0,
+    model = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk, device_cache_gb=0,
                         host_cache_gb=host_frac * total / 2**30)
     text = prompt if model.tokenizer is not None else [5, 6, 7, 8, 9]
     return model.generate(text, FLAGS.tokens, stop_ids=[], draft=draft)

@@ -56,7 +56,7 @@ flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
 flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
                      "config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this are prefilled chunk by "
-                     "chunk (default 2048; 0 = one piece).", lower_bound=0)
+                     "chunk (default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "KV cache dtype (auto = the dense dtype).")
 flags.DEFINE_enum("attention", "sparse", ["sparse", "dense"], "sparse: DSA attends to each "

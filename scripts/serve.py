@@ -45,7 +45,7 @@ flags.DEFINE_float("kv_cache_gb", None, "KV cache budget of the batch, shared by
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "KV cache dtype (auto = the dense dtype).")
 flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 2048; 0 = one piece).", lower_bound=0)
+                     "(default 1024; 0 = one piece).", lower_bound=0)
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
 flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
 flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic).")

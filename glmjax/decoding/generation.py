@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from glmjax.errors import InputError
 from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, decode_fn, mtp_fn,
@@ -139,6 +140,7 @@ class Runner:
     self.kernel = model.options.moe_kernel
     self.impl = model.options.attention
     self.chunk = model.options.prefill_chunk
+    self.progress = model.options.progress  # a bar over a chunked prefill's chunks
     self.mesh = model.mesh
     self._compiled: dict = {}
 
@@ -154,11 +156,15 @@ class Runner:
     return sharding.put(x, sharding.batch_split(self.mesh) if split else
                         sharding.replicated(self.mesh))
 
-  def _compile(self, name, fn, *args, **static):
-    key = (name, tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)),
-           tuple(sorted(static.items(), key=lambda kv: kv[0])) if name == "prefill" else ())
+  def _compile(self, fn, args: tuple, static: dict, dynamic: dict | None = None):
+    """`fn` compiled ahead (once per static arguments and argument shapes), so that a step's
+    timing leaves its compilation out; `dynamic` are keyword arrays of the call."""
+    dynamic = dynamic or {}
+    leaves = jax.tree_util.tree_leaves((args, dynamic))
+    key = (fn, tuple(sorted(static.items())), tuple(sorted(dynamic)),
+           tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._compiled:
-      self._compiled[key] = fn.lower(*args, **static).compile()
+      self._compiled[key] = fn.lower(*args, **dynamic, **static).compile()
     return self._compiled[key]
 
   def _at(self, cache: KVCache, length) -> KVCache:
@@ -178,18 +184,25 @@ class Runner:
       return self._engine_prefill(cache, ids, pieces, plan, start, hidden, recorder)
     record = RecordOptions() if recorder is not None else None
     records, xs, logits = [], [], None
+    bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False,
+               disable=not self.progress or len(plan) == 1)
     for (o, n, _), toks in zip(plan, pieces):
       cache = self._at(cache, start + o)
       toks = self.put(toks)
-      fn = self._compile("prefill", prefill_fn, self.weights, cache, toks, self.put(n, jnp.int32),
-                         cfg=self.cfg, kernel=self.kernel, record=record, mesh=self.mesh,
-                         impl=self.impl, hidden="all" if hidden else "last")
-      out = fn(self.weights, cache, toks, self.put(n, jnp.int32))
+      args = (self.weights, cache, toks, self.put(n, jnp.int32))
+      fn = self._compile(prefill_fn, args, dict(
+          cfg=self.cfg, kernel=self.kernel, record=record, mesh=self.mesh, impl=self.impl,
+          hidden="all" if hidden else "last"))
+      out = fn(*args)
       logits, x, cache = out[:3]
       if hidden:
         xs.append(np.asarray(x[0, :n]))
       if record is not None:
         records.append(jax.tree_util.tree_map(lambda a, n=n: np.asarray(a)[:, :n], out[3]))
+      if not bar.disable:
+        logits.block_until_ready()  # the bar moves as chunks finish, not as they are queued
+      bar.update(n)
+    bar.close()
     if recorder is not None:
       recorder.add(ids, {k: np.concatenate([r[k] for r in records], axis=1) for k in records[0]},
                    slice(0, len(ids)))
@@ -223,12 +236,12 @@ class Runner:
       records = stack_records(rec) if rec is not None else None
     else:
       record = RecordOptions() if recorder is not None else None
-      nv = None if n_valid is None else self.put(n_valid, jnp.int32)
-      fn = self._compile("decode" + ("+record" if record else "") + ("" if absorbed else "-exp"),
-                         decode_fn, self.weights, cache, toks, cfg=self.cfg, kernel=self.kernel,
-                         absorbed=absorbed, record=record, mesh=self.mesh, n_valid=nv,
-                         impl=self.impl)
-      out = fn(self.weights, cache, toks, n_valid=nv)
+      nv = {} if n_valid is None else {"n_valid": self.put(n_valid, jnp.int32)}
+      args = (self.weights, cache, toks)
+      fn = self._compile(decode_fn, args, dict(
+          cfg=self.cfg, kernel=self.kernel, absorbed=absorbed, record=record, mesh=self.mesh,
+          impl=self.impl), nv)
+      out = fn(*args, **nv)
       logits, x, new = out[:3]
       records = out[3] if record is not None else None
     if recorder is not None:

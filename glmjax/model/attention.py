@@ -106,6 +106,14 @@ def select_dense(q, w, keys, visible, k: int):
   return jnp.where(vals > -jnp.inf, top, -1)
 
 
+def index_block_pages(view: KeyView, q_shape) -> int:
+  """Pages per key block of `select_blocked` for queries `[B, Sq, G, I]`: logits of at most
+  INDEX_ELEMS values and MAX_INDEX_BLOCK slots, at most the table."""
+  b, sq, g = q_shape[:3]
+  slots = min(MAX_INDEX_BLOCK, _pow2_floor(max(1, INDEX_ELEMS // (b * sq * g))))
+  return max(1, min(view.pages.shape[1], slots // view.page_size))
+
+
 def select_blocked(view: KeyView, q, w, q_slots, k: int, block_pages: int):
   """`select_dense` without ever holding a query's scores over every key: key blocks of
   `block_pages` pages are scored in turn and merged into a running top-`k`, stopping after
@@ -178,30 +186,30 @@ def _in_query_blocks(fn, block: int, *arrays):
   return jax.tree_util.tree_map(join, out)
 
 
-def sparse_attend(view: KeyView, q_abs, q_rope, q_slots, cfg: Config, selection=None,
-                  index_q=None):
+def sparse_attend(view: KeyView, q_nope, q_rope, q_slots, w_uk, w_uv, cfg: Config,
+                  selection=None, index_q=None):
   """DSA attention over a view with more key slots than K: each query's top-K keys (from
   `index_q` = (queries, head weights) of this layer's indexer, or the given `selection`),
-  gathered and attended in query blocks. Returns (context `[B, S, H, C]`, selection)."""
-  b, s, h, c = q_abs.shape
-  k = cfg.index_topk
+  gathered and attended in the absorbed form, query block by query block: the absorbed
+  query `[Sq, H, C]` and context of a block exist only while it runs (at a 2048-token chunk
+  of GLM-5 the whole chunk's would take 0.5 GB). Returns (`[B, S, H, V]`, selection)."""
+  b, s, h, _ = q_nope.shape
+  k, c = cfg.index_topk, w_uk.shape[-1]
   q_slots = jnp.broadcast_to(q_slots, (b, s))
-  width = c + q_rope.shape[-1]
-  block = int(max(1, min(s, _pow2_floor(GATHER_ELEMS // (b * k * width)))))
+  block = int(max(1, min(s, _pow2_floor(GATHER_ELEMS // (b * k * (c + q_rope.shape[-1]))))))
 
-  def one(q_abs, q_rope, q_slots, *rest):
+  def one(q_nope, q_rope, q_slots, *rest):
     if selection is None:
       q, w = rest
-      g = q.shape[2]
-      tb = min(MAX_INDEX_BLOCK, _pow2_floor(max(1, INDEX_ELEMS // (b * q.shape[1] * g))))
-      sel = select_blocked(view, q, w, q_slots, k,
-                           max(1, min(view.pages.shape[1], tb // view.page_size)))
+      sel = select_blocked(view, q, w, q_slots, k, index_block_pages(view, q.shape))
     else:
       (sel,) = rest
-    return _attend_selected(view, q_abs, q_rope, sel, cfg.attn_scale), sel
+    q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, Sq, H, C]
+    ctx = _attend_selected(view, q_abs, q_rope, sel, cfg.attn_scale)
+    return jnp.einsum("bshc,hvc->bshv", ctx, w_uv), sel
 
   rest = index_q if selection is None else (selection,)
-  return _in_query_blocks(one, block, q_abs, q_rope, q_slots, *rest)
+  return _in_query_blocks(one, block, q_nope, q_rope, q_slots, *rest)
 
 
 def blocked_attend(view: KeyView, q_abs, q_rope, q_slots, scale: float):
@@ -306,6 +314,10 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     write = lambda pool, new: kvcache.write(pool, new, pages, start)
     cache = LayerCache(latent=write(cache.latent, latent), k_rope=write(cache.k_rope, k_rope),
                        index_k=None if cache.index_k is None else write(cache.index_k, index_k))
+    # The writes land in the (donated) pools before anything reads them: without the barrier
+    # XLA fuses each write into the reads that follow and copies every pool to keep the old
+    # contents for them (three 269 MB copies of a 131k-position latent pool per decode step).
+    cache = jax.lax.optimization_barrier(cache)
     view = KeyView(cache.latent, cache.k_rope, cache.index_k, pages)
     q_slots = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
 
@@ -314,17 +326,17 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
   dsa = w.indexer is not None or selection is not None
   sparse = dsa and impl == "sparse" and view.slots > cfg.index_topk
   with jax.named_scope("attend"):
-    if sparse or (not dsa and view.slots > DENSE_MAX_SLOTS):
+    if sparse:
+      index_q = None
+      if w.indexer is not None:
+        with jax.named_scope("indexer"):
+          index_q = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
+        selection = None
+      out, selection = sparse_attend(view, q_nope, q_rope, q_slots, w_uk, w_uv, cfg, selection,
+                                     index_q)
+    elif not dsa and view.slots > DENSE_MAX_SLOTS:
       q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, S, H, C]
-      if sparse:
-        index_q = None
-        if w.indexer is not None:
-          with jax.named_scope("indexer"):
-            index_q = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
-          selection = None
-        ctx, selection = sparse_attend(view, q_abs, q_rope, q_slots, cfg, selection, index_q)
-      else:
-        ctx = blocked_attend(view, q_abs, q_rope, q_slots, cfg.attn_scale)
+      ctx = blocked_attend(view, q_abs, q_rope, q_slots, cfg.attn_scale)
       out = jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
     else:
       slots = jnp.arange(view.slots, dtype=jnp.int32)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm import tqdm
 
 from glmjax.errors import InputError
 
@@ -251,6 +252,7 @@ class OffloadEngine:
     if expert_compute not in PLACEMENTS:
       raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
+    self.progress = progress  # bars while loading, and over a layer-major prefill
     self.impl = attention  # the attention's: "sparse" (DSA) or the "dense" reference
     self.budgets = budgets
     self.expert_budget = expert_budget  # verify passes' expert cap (opt-in, lossy) or None
@@ -338,7 +340,6 @@ class OffloadEngine:
 
   # -- setup --------------------------------------------------------------------------------
   def _fill_device_tier(self, progress: bool):
-    from tqdm import tqdm
     if self.slots == 0:
       return
     if self.all_resident:
@@ -877,8 +878,16 @@ class OffloadEngine:
                     n_valid if j == len(chunks) - 1 else None)
               for j, (t, o) in enumerate(zip(chunks, offsets))]
     aware = self.cache_route is not None and not self.all_resident
-    new = layers(self.dense, pieces, self.cfg, cache, False, experts, self._steps(end=end),
-                 self._route_args if aware else None, None, self.impl)
+    steps = self._steps(end=end)
+    with tqdm(total=len(self.dense.layers) * len(pieces), desc="prefill", unit="chunk",
+              leave=False, disable=not self.progress) as bar:
+      def counted(*args, **kw):  # the bar moves by (layer, chunk)
+        bar.update()
+        return step(*args, **kw)
+      step = steps.attn_route
+      new = layers(self.dense, pieces, self.cfg, cache, False, experts,
+                   dataclasses.replace(steps, attn_route=counted),
+                   self._route_args if aware else None, None, self.impl)
     self._fused_ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
