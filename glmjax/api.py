@@ -1,9 +1,12 @@
-"""The public API: `load()`, `Model` (`score`, `generate`, `chat`) and `ChatSession`."""
+"""The public API: `load()`, `Model` (`score`, `generate`, `chat`, `close`) and `ChatSession`.
+
+The generation core they run on (requests, the steps over a paged KV cache, the decode loop)
+is glmjax.decoding.generation; the server uses the same core.
+"""
 
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from typing import Callable, Sequence
 
@@ -11,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.decoding import speculative
-from glmjax.decoding.generation import (CompileClock, GenerationResult, Request, Runner,
-                                        chunk_plan, decode_loop, new_request)
+from glmjax.decoding.generation import (GenerationResult, Runner, chunk_plan, new_request,
+                                        run_request)
 from glmjax.decoding.pages import KVLayout, KVPool
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
@@ -63,7 +65,9 @@ class Model:
             f"{c.n_routed_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size})")
 
   # --- checks ----------------------------------------------------------------------------
-  def _tokens(self, tokens, ndim: int) -> np.ndarray:
+  def check_tokens(self, tokens, ndim: int = 1) -> np.ndarray:
+    """`tokens` as an int32 array of `ndim` dimensions (`[S]` or `[B, S]`), non-empty and within
+    the vocabulary, else an InputError saying which id or shape is wrong."""
     arr = np.asarray(tokens)
     if arr.ndim != ndim or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
       shape = "[B, S]" if ndim == 2 else "[S]"
@@ -101,7 +105,7 @@ class Model:
     jit for resident models; through the engine's layer steps for offloaded ones.
     `fetch=False` returns device arrays without waiting for them (pipelined replays)."""
     self._check_open()
-    arr = self._tokens(tokens, 2)
+    arr = self.check_tokens(tokens, 2)
     put = self.runner.put
     if self.offloaded:
       rec: list = []
@@ -128,12 +132,12 @@ class Model:
     than `prefill_chunk` go through the KV cache chunk by chunk, so no step's temporaries grow
     with the sequence."""
     self._check_open()
-    arr = self._tokens(tokens, 2)
+    arr = self.check_tokens(tokens, 2)
     if arr.shape[1] > self.max_context:
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self.max_context}")
     tgt = None
     if targets is not None:
-      tgt = self._tokens(targets, 2)
+      tgt = self.check_tokens(targets, 2)
       if tgt.shape != arr.shape:
         raise InputError(f"targets {tgt.shape} must have the shape of tokens {arr.shape}")
     chunk = self.options.prefill_chunk
@@ -223,7 +227,7 @@ class Model:
       raise InputError(f"trace {trace}: already exists; a trace is never written over another")
     ids = (self.tokenizer.encode(prompt_tokens)
            if isinstance(prompt_tokens, str) and self._need_tokenizer() else prompt_tokens)
-    prompt_ids = self._tokens(ids, 1)
+    prompt_ids = self.check_tokens(ids, 1)
     self._check_budget(len(prompt_ids), max_new_tokens)
     if draft not in (0, "auto") and not (isinstance(draft, int) and 0 < draft <= 16):
       raise InputError(f"draft must be 0, 1..16 or 'auto', got {draft!r}")
@@ -238,7 +242,7 @@ class Model:
     try:
       if trace is not None:
         request.recorder = self._recorder(trace)
-      result = self._run(prompt_ids, pool, pages, 0, request, draft, on_round)
+      result = run_request(self, pool, pages, 0, prompt_ids, request, draft, on_round)
     finally:
       pool.release(pages)
     if trace is not None:
@@ -277,75 +281,6 @@ class Model:
     if self.tokenizer is not None:
       ids |= self.tokenizer.stop_ids(list(self.config.eos_token_ids))
     return ids
-
-  def _request(self, prompt_ids, max_new_tokens, **settings) -> Request:
-    return new_request(self, prompt_ids, max_new_tokens, **settings)
-
-  def _run(self, prompt_ids: np.ndarray, pool: KVPool, pages, start: int, req: Request,
-           draft=0, on_round=None) -> GenerationResult:
-    """Prefills `prompt_ids` at `start` of the row owning `pages` of `pool`, then decodes.
-
-    A failure part-way leaves the pool's arrays donated: they are made anew (`pool.reset`),
-    and holders of other pages (chat sessions) rebuild theirs from their history."""
-    runner, n = self.runner, len(prompt_ids)
-    table = pool.table(pages)
-    before = self.engine.telemetry() if self.engine else {}
-    speculate = bool(draft) and req.max_new_tokens > 0
-    try:
-      cache = pool.cache([table], start, runner.put)
-      t0 = time.perf_counter()
-      with CompileClock() as clock:
-        logits, hidden, cache = runner.prefill(cache, prompt_ids, start, hidden=speculate,
-                                               recorder=req.recorder)
-        logits = np.asarray(logits)
-      compile_s = clock.seconds
-      prefill_s = time.perf_counter() - t0 - compile_s
-      read = self.engine.telemetry() if self.engine else {}
-      if speculate:
-        t0 = time.perf_counter()
-        stats, cache, mcache = speculative.run(runner, pool, table, cache, start,
-                                               (logits, hidden, prompt_ids), req, draft,
-                                               on_round)
-        pool.update(mcache, mtp=True)
-        decode_s = time.perf_counter() - t0
-        run_s = decode_s - stats["decode_compile_s"]
-        steps = max(len(req.out) - 1, 0)  # tokens after the prefill's first
-        stats.update(compile_s=compile_s, prefill_s=prefill_s, decode_s=decode_s,
-                     first_step_s=0.0,
-                     decode_tok_s=steps / run_s if steps and run_s > 0 else 0.0)
-      else:
-        stats, cache = decode_loop(runner, cache, start + n, (logits, prefill_s, compile_s), req)
-      pool.update(cache)
-    except BaseException:
-      pool.reset()
-      raise
-    req.finish()
-    stats.update(prompt_tokens=float(n), new_tokens=float(len(req.out)),
-                 prefill_chunks=float(len(chunk_plan(n, self.options.prefill_chunk))),
-                 kv_pages=float(len(pages)), kv_bytes=float(len(pages) * pool.layout.page_bytes()))
-    if self.engine is not None:
-      stats.update(self._engine_stats(before))
-      stats["prefill_expert_bytes"] = (read.get("expert_bytes_read", 0.0)
-                                       - before.get("expert_bytes_read", 0.0))
-      self.engine.save()
-    return GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
-                            text="".join(req.pieces) if req.stream is not None else None)
-
-  def _engine_stats(self, before: dict) -> dict:
-    """Offload telemetry over this call, with derived rates."""
-    stats = {}
-    after = self.engine.telemetry()
-    gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
-    stats.update({k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()})
-    if stats.get("route_tokens"):
-      tokens = stats["route_tokens"]
-      stats["route_swap_rate"] = stats["route_swaps"] / (tokens * self.config.num_experts_per_tok)
-      stats["route_overlap"] = stats["route_overlap_sum"] / tokens
-      stats["route_kl"] = stats["route_kl_sum"] / tokens
-    if stats.get("pilot_actual"):
-      stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
-      stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
-    return stats
 
   # --- lifetime ------------------------------------------------------------------------------
   def close(self) -> None:
@@ -430,7 +365,7 @@ class ChatSession:
       self.pages.extend(pool.alloc(need - len(self.pages), "chat turn"))
     # Positions past `common` are stale; attention never sees them once overwritten. A failed
     # turn resets the pool (a new epoch): the next turn rebuilds from the feeds.
-    result = model._run(prompt, pool, self.pages, common, request)
+    result = run_request(model, pool, self.pages, common, prompt, request)
     self.tokens = list(ids) + result.tokens[:-1] if result.tokens else list(ids)[:-1]
     self._feeds.append((common, prompt, result.tokens[:-1]))
     result.stats["reused_tokens"] = float(common)
@@ -521,7 +456,8 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
     from glmjax import sharding
     sharding.check_mesh(mesh, cfg)
   budgets = budget.resolve(opts.device_cache_gb, opts.host_cache_gb,
-                           dense_bytes=nbytes(tree), chunk_bytes=experts.layout(moe_layers[0]).nbytes,
+                           dense_bytes=nbytes(tree),
+                           chunk_bytes=experts.layout(moe_layers[0]).nbytes,
                            n_moe_layers=len(moe_layers), n_experts=cfg.n_routed_experts,
                            top_k=cfg.num_experts_per_tok)
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import glmjax
+from glmjax.decoding.generation import new_request
 from glmjax.serving.batch import BatchDecoder
 
 PROMPTS = ["def ", "The quick brown", "import numpy as np\n", "x = "]  # 2, 7, 8, 3 tokens
@@ -28,7 +29,7 @@ def _ids(m, text):
 
 def test_rows_at_different_lengths_give_their_solo_tokens(model, batch):
   solo = [model.generate(p, N).tokens for p in PROMPTS]
-  reqs = [model._request(_ids(model, p), N) for p in PROMPTS]
+  reqs = [new_request(model, _ids(model, p), N) for p in PROMPTS]
   waiting = list(range(len(PROMPTS)))
   joined_late = False
   steps = 0
@@ -49,7 +50,7 @@ def test_rows_at_different_lengths_give_their_solo_tokens(model, batch):
 
 def test_dropped_row_leaves_the_others_alone(model, batch):
   solo = model.generate(PROMPTS[1], N).tokens
-  keep, gone = model._request(_ids(model, PROMPTS[1]), N), model._request(_ids(model, "x"), N)
+  keep, gone = new_request(model, _ids(model, PROMPTS[1]), N), new_request(model, _ids(model, "x"), N)
   batch.admit(_ids(model, "x"), gone, tag="gone")
   batch.admit(_ids(model, PROMPTS[1]), keep, tag="keep")
   batch.step()
@@ -83,7 +84,7 @@ def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store,
     assert (eng.telemetry(), dict(eng.heat.h), eng.heat.scale, eng.host.keys(),
             eng._fused_ready) == before
     assert reads == []
-    reqs = [m._request(_ids(m, p), N, stop_ids=[]) for p in PROMPTS[:3]]
+    reqs = [new_request(m, _ids(m, p), N, stop_ids=[]) for p in PROMPTS[:3]]
     for i, r in enumerate(reqs):
       assert not batch.admit(_ids(m, PROMPTS[i]), r, tag=i)
     jax.config.update("jax_log_compiles", True)

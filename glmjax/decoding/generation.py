@@ -218,7 +218,9 @@ class Runner:
     logits = JITTED.logits(self.weights, xs[-1][:, n_last - 1:n_last], cfg=self.cfg)
     if recorder is not None:
       recorder.add(ids, stack_records(rec), slice(0, len(ids)))
-    out = np.concatenate([np.asarray(x[0, :r]) for x, (_, r, _) in zip(xs, plan)]) if hidden else None
+    out = None
+    if hidden:
+      out = np.concatenate([np.asarray(x[0, :r]) for x, (_, r, _) in zip(xs, plan)])
     return logits[0, 0], out, self._at(cache, start + len(ids))
 
   # --- decode, verify, score ----------------------------------------------------------------
@@ -312,3 +314,71 @@ def decode_loop(runner: Runner, cache: KVCache, start: int, prefilled, req: Requ
   return dict(compile_s=compile_s, prefill_s=prefill_s, decode_s=decode_s,
               first_step_s=first_step_s or 0.0, decode_compile_s=clock.seconds,
               decode_tok_s=rate), cache
+
+
+def run_request(model, pool, pages, start: int, prompt_ids: np.ndarray, req: Request,
+                draft=0, on_round=None) -> GenerationResult:
+  """Prefills `prompt_ids` at `start` of the row owning `pages` of `pool` (a
+  glmjax.decoding.pages.KVPool), then decodes `req` (speculatively with `draft`): the one run
+  behind `Model.generate` and each chat turn.
+
+  A failure part-way leaves the pool's arrays donated: they are made anew (`pool.reset`), and
+  holders of other pages (chat sessions) rebuild theirs from their history."""
+  from glmjax.decoding import speculative
+  runner, engine, n = model.runner, model.engine, len(prompt_ids)
+  table = pool.table(pages)
+  before = engine.telemetry() if engine else {}
+  speculate = bool(draft) and req.max_new_tokens > 0
+  try:
+    cache = pool.cache([table], start, runner.put)
+    t0 = time.perf_counter()
+    with CompileClock() as clock:
+      logits, hidden, cache = runner.prefill(cache, prompt_ids, start, hidden=speculate,
+                                             recorder=req.recorder)
+      logits = np.asarray(logits)
+    compile_s = clock.seconds
+    prefill_s = time.perf_counter() - t0 - compile_s
+    read = engine.telemetry() if engine else {}
+    if speculate:
+      t0 = time.perf_counter()
+      stats, cache, mcache = speculative.run(runner, pool, table, cache, start,
+                                             (logits, hidden, prompt_ids), req, draft, on_round)
+      pool.update(mcache, mtp=True)
+      decode_s = time.perf_counter() - t0
+      run_s = decode_s - stats["decode_compile_s"]
+      steps = max(len(req.out) - 1, 0)  # tokens after the prefill's first
+      stats.update(compile_s=compile_s, prefill_s=prefill_s, decode_s=decode_s,
+                   first_step_s=0.0, decode_tok_s=steps / run_s if steps and run_s > 0 else 0.0)
+    else:
+      stats, cache = decode_loop(runner, cache, start + n, (logits, prefill_s, compile_s), req)
+    pool.update(cache)
+  except BaseException:
+    pool.reset()
+    raise
+  req.finish()
+  stats.update(prompt_tokens=float(n), new_tokens=float(len(req.out)),
+               prefill_chunks=float(len(chunk_plan(n, runner.chunk))),
+               kv_pages=float(len(pages)), kv_bytes=float(len(pages) * pool.layout.page_bytes()))
+  if engine is not None:
+    stats.update(engine_stats(engine, before, model.config.num_experts_per_tok))
+    stats["prefill_expert_bytes"] = (read.get("expert_bytes_read", 0.0)
+                                     - before.get("expert_bytes_read", 0.0))
+    engine.save()
+  return GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
+                          text="".join(req.pieces) if req.stream is not None else None)
+
+
+def engine_stats(engine, before: dict, top_k: int) -> dict:
+  """The offload telemetry's growth since `before` (gauges as they stand), with derived rates."""
+  after = engine.telemetry()
+  gauges = ("all_resident", "prefetch_unused", "prefetch_inflight")
+  stats = {k: v if k in gauges else v - before.get(k, 0.0) for k, v in after.items()}
+  if stats.get("route_tokens"):
+    tokens = stats["route_tokens"]
+    stats["route_swap_rate"] = stats["route_swaps"] / (tokens * top_k)
+    stats["route_overlap"] = stats["route_overlap_sum"] / tokens
+    stats["route_kl"] = stats["route_kl_sum"] / tokens
+  if stats.get("pilot_actual"):
+    stats["pilot_recall"] = stats["pilot_hits"] / stats["pilot_actual"]
+    stats["pilot_precision"] = stats["pilot_hits"] / max(stats["pilot_predicted"], 1.0)
+  return stats

@@ -74,7 +74,7 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       else:
         p = protocol.prompt(body)
         ids = model.tokenizer.encode(p) if isinstance(p, str) else p
-      return model._tokens(ids, 1)
+      return model.check_tokens(ids)
     except GlmjaxError as e:
       raise ApiError(400, str(e), "messages" if kind == "chat" else "prompt") from None
 

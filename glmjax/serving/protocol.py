@@ -61,9 +61,9 @@ def _stops(body: dict) -> list[str]:
 
 def sampling(body: dict, n_prompt: int, context: int, default_max: int,
              defaults: dict | None = None) -> dict:
-  """The checked sampling settings of a request (Model._request keywords) for a prompt of
-  `n_prompt` tokens in a `context`-token window; unset temperature and top_p take `defaults`
-  (the model's generation_config; OpenAI's 1.0 without)."""
+  """The checked sampling settings of a request (`glmjax.decoding.generation.new_request`
+  keywords) for a prompt of `n_prompt` tokens in a `context`-token window; unset temperature
+  and top_p take `defaults` (the model's generation_config; OpenAI's 1.0 without)."""
   defaults = defaults or {}
   if n_prompt >= context:
     raise ApiError(400, f"the prompt is {n_prompt} tokens; this model's context is {context} "

@@ -3,7 +3,8 @@
 Requests wait in a bounded queue; between decode steps the thread drops cancelled requests,
 admits waiting ones into free rows (each prefilled alone) and runs one step of the batch.
 Results go back to the web server's event loop as events on each job's asyncio queue:
-("start", None) when admitted, ("text", piece) while decoding, then ("done", summary) or ("error", GlmjaxError).
+("start", None) when admitted, ("text", piece) while decoding, then ("done", summary) or
+("error", GlmjaxError).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import numpy as np
 
 from glmjax.errors import GlmjaxError, InputError
+from glmjax.decoding.generation import new_request
 from glmjax.decoding.pages import GiB
 from glmjax.serving.batch import BatchDecoder
 
@@ -36,11 +38,11 @@ class Job:
   def __init__(self, prompt_ids: np.ndarray, settings: dict, loop: asyncio.AbstractEventLoop):
     self.id = next(Job._ids)
     self.prompt_ids = prompt_ids  # [S] int32
-    self.settings = settings  # Model._request keywords (max_new_tokens, temperature, ...)
+    self.settings = settings  # new_request keywords (max_new_tokens, temperature, ...)
     self.loop = loop
     self.queue: asyncio.Queue = asyncio.Queue()
     self.cancelled = False
-    self.req = None  # glmjax.api._Request once admitted
+    self.req = None  # glmjax.decoding.generation.Request once admitted
     self.t_submit = time.perf_counter()
     self.t_first: float | None = None
     self.engine: dict[str, float] = {}  # its share of the offload engine's counters
@@ -179,8 +181,8 @@ class Scheduler:
       return
     job.push("start", None)  # streams open with a chunk before the first token
     try:
-      job.req = self.model._request(job.prompt_ids, on_text=lambda p: job.push("text", p),
-                                    **job.settings)
+      job.req = new_request(self.model, job.prompt_ids, on_text=lambda p: job.push("text", p),
+                            **job.settings)
       before = self._telemetry()
       finished = self.batch.admit(job.prompt_ids, job.req, tag=job)
       self._share(before, [job])
