@@ -6,6 +6,7 @@ is glmjax.decoding.generation; the server uses the same core.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Callable, Sequence
@@ -27,11 +28,16 @@ from glmjax.options import Options
 __all__ = ["load", "Model", "ChatSession", "GenerationResult"]
 
 
-@jax.jit
-def _target_logprobs(logits, targets):
-  """log p(targets) under `logits` `[B, S, V]`: `[B, S]`."""
+@functools.partial(jax.jit, static_argnames="top_k")
+def _target_logprobs(logits, targets, top_k: int = 0):
+  """log p(targets) under `logits` `[B, S, V]`: `[B, S]`; with `top_k`, also the top_k ids and
+  their logprobs at each position, `[B, S, top_k]` each."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  if not top_k:
+    return target
+  top_lp, top_ids = jax.lax.top_k(logp, top_k)
+  return target, top_ids, top_lp
 
 
 class Model:
@@ -124,11 +130,13 @@ class Model:
     return [i for i, l in enumerate(self.weights.layers) if isinstance(l.mlp, MoE)]
 
   # --- public ----------------------------------------------------------------------------
-  def score(self, tokens, targets=None) -> np.ndarray:
+  def score(self, tokens, targets=None, top_k: int = 0):
     """Teacher-forced logits: int tokens `[B, S]` → float32 numpy `[B, S, V]`.
 
     With `targets` (int `[B, S]`), only log p(targets[b, s] | tokens[b, :s+1]) comes back, as
-    float32 `[B, S]`: a long sequence's scores without its `[S, V]` logits. Sequences longer
+    float32 `[B, S]`: a long sequence's scores without its `[S, V]` logits. With `targets` and
+    `top_k` > 0, a tuple: those scores, then the `top_k` most likely ids at each position
+    (int32 `[B, S, top_k]`) and their logprobs (float32 `[B, S, top_k]`). Sequences longer
     than `prefill_chunk` go through the KV cache chunk by chunk, so no step's temporaries grow
     with the sequence."""
     self._check_open()
@@ -136,13 +144,15 @@ class Model:
     if arr.shape[1] > self.max_context:
       raise InputError(f"sequence length {arr.shape[1]} exceeds max_context {self.max_context}")
     tgt = None
+    if top_k and (targets is None or not 0 < top_k <= self.config.vocab_size):
+      raise InputError(f"top_k={top_k} needs targets and must be in [1, vocab size]")
     if targets is not None:
       tgt = self.check_tokens(targets, 2)
       if tgt.shape != arr.shape:
         raise InputError(f"targets {tgt.shape} must have the shape of tokens {arr.shape}")
     chunk = self.options.prefill_chunk
     if chunk and arr.shape[1] > chunk:
-      return self._score_cached(arr, tgt)
+      return self._score_cached(arr, tgt, top_k)
     if self.offloaded:
       logits = self.engine.forward(arr)[0]
     else:
@@ -154,15 +164,16 @@ class Model:
         from glmjax import sharding
         logits = sharding.gather(logits, self.mesh)
     if tgt is not None:
-      return np.asarray(_target_logprobs(logits, jnp.asarray(tgt)), np.float32)
+      return jax.tree.map(np.asarray, _target_logprobs(logits, jnp.asarray(tgt), top_k))
     return np.asarray(logits, np.float32)
 
-  def _score_cached(self, arr: np.ndarray, tgt) -> np.ndarray:
+  def _score_cached(self, arr: np.ndarray, tgt, top_k: int = 0):
     """`score` through the KV cache: each row its pages, chunk by chunk."""
     b, s = arr.shape
     pool, runner = self.kv, self.runner
     pages = [pool.alloc(pool.layout.pages_for(s), f"score ({s} tokens)") for _ in range(b)]
     out = np.zeros((b, s) if tgt is not None else (b, s, self.config.vocab_size), np.float32)
+    tops = (np.zeros((b, s, top_k), np.int32), np.zeros((b, s, top_k), np.float32))
     try:
       cache = pool.cache([pool.table(p) for p in pages], 0, runner.put)
       plan = chunk_plan(s, self.options.prefill_chunk)
@@ -181,7 +192,9 @@ class Model:
       for (o, n, w), logits in zip(plan, heads):
         if tgt is not None:
           t = np.pad(tgt[:, o:o + n], ((0, 0), (0, w - n)))
-          out[:, o:o + n] = np.asarray(_target_logprobs(logits, jnp.asarray(t)))[:, :n]
+          got = jax.tree.leaves(_target_logprobs(logits, jnp.asarray(t), top_k))
+          for dst, src in zip((out,) + tops, got):
+            dst[:, o:o + n] = np.asarray(src)[:, :n]
         else:
           out[:, o:o + n] = np.asarray(logits[:, :n], np.float32)
       pool.update(cache)
@@ -191,7 +204,7 @@ class Model:
     finally:
       for p in pages:
         pool.release(p)
-    return out
+    return (out,) + tops if top_k else out
 
   def generate(self, prompt_tokens: Sequence[int] | str, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

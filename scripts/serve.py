@@ -4,7 +4,8 @@
   python scripts/serve.py --model=/nvme/glm5-int4 --host_cache_gb=64 --max_batch=8
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
-GET /health. Requests decode together, up to --max_batch at a time; up to --max_queue more
+GET /tokenizer_info, POST /tokenize, POST /detokenize, GET /health. With an API key (--api_key,
+--api_key_file or GLMJAX_API_KEY) every route but /health needs it. Requests decode together, up to --max_batch at a time; up to --max_queue more
 wait, and a request beyond that is answered 429. Unset temperature/top_p take the model's
 generation_config.json.
 """
@@ -46,6 +47,11 @@ flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "KV cache dtype (auto = the dense dtype).")
 flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
                      "(default 1024; 0 = one piece).", lower_bound=0)
+flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorization: Bearer or "
+                    "X-Api-Key), comma-separated; default: the GLMJAX_API_KEY environment "
+                    "variable, else none (open).")
+flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
+flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
 flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
 flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic).")
@@ -70,18 +76,26 @@ def main(argv):
   options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
   if FLAGS.expert_compute != "device":
     options["expert_compute"] = FLAGS.expert_compute
+  from glmjax.serving.guard import Guard, api_keys, is_loopback
   try:
+    keys = api_keys(FLAGS.api_key, FLAGS.api_key_file)
+    guard = Guard(keys, loopback=is_loopback(FLAGS.host),
+                  max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20))
     model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
                         kv_dtype=FLAGS.kv_dtype, **options)
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
-                        FLAGS.kv_cache_gb)
+                        FLAGS.kv_cache_gb, guard)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  if not keys and not is_loopback(FLAGS.host):
+    print(f"warning: serving on {FLAGS.host} without an API key: anyone who can reach this "
+          "address can use the model (set --api_key or GLMJAX_API_KEY)", file=sys.stderr)
   batch = server.state.scheduler.batch
   print(f"serving {server.state.model_name} ({model!r}) on http://{FLAGS.host}:{FLAGS.port}"
         f"/v1, batch {FLAGS.max_batch}, queue {FLAGS.max_queue}, KV cache "
-        f"{batch.kv_bytes / 2**30:.2f} GB ({batch.capacity_tokens} tokens at most per request)",
+        f"{batch.kv_bytes / 2**30:.2f} GB ({batch.capacity_tokens} tokens at most per request)"
+        f"{', API key required' if keys else ''}",
         flush=True)
   try:
     uvicorn.run(server, host=FLAGS.host, port=FLAGS.port, log_level="warning")

@@ -112,6 +112,18 @@ def test_health_and_models(server):
   assert [m.id for m in models.data] == [server["name"]]
 
 
+def test_an_empty_bearer_is_accepted_without_a_key(server):
+  # lm-eval always sends `Authorization: Bearer $OPENAI_API_KEY`, empty by default
+  conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+  try:
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": server["name"], "prompt": "def ", "max_tokens": 2}).encode(),
+        {"content-type": "application/json", "authorization": "Bearer "})
+    assert conn.getresponse().status == 200
+  finally:
+    conn.close()
+
+
 def test_greedy_completion_equals_generate(server):
   r = _complete(server, PROMPTS[0])
   ref = server["model"].generate(PROMPTS[0], N)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from glmjax.decoding.logprobs import MAX_LOGPROBS, TokenLogprob
 from glmjax.errors import InputError
 from glmjax.model.forward import (JITTED, KVCache, RecordOptions, bucket, decode_fn, mtp_fn,
                                   prefill_fn, stack_records)
@@ -47,6 +48,9 @@ class GenerationResult:
   text: str | None = None
 
 
+MAX_SEED = 2 ** 63  # seeds are int64 PRNG keys: 0 ≤ seed < 2**63
+
+
 @dataclasses.dataclass
 class Request:
   """One generation request's settings and output: what `emit` records, and why it stopped."""
@@ -59,12 +63,27 @@ class Request:
   on_token: Callable[[int], None] | None = None
   on_text: Callable[[str], None] | None = None
   recorder: Any = None  # glmjax.replay.record.LiveRecorder when the run is traced
+  logprobs: int | None = None  # record each new token's logprob and this many alternatives
   out: list = dataclasses.field(default_factory=list)
   pieces: list = dataclasses.field(default_factory=list)
+  # (token, TokenLogprob) per token picked, `out`'s and then the stop token that ended it
+  scores: list = dataclasses.field(default_factory=list)
   reason: str = "max_new_tokens"
+  _pending: Any = None
+
+  def pick(self, logits) -> int:
+    """The next token from logits `[V]` (the picker's choice), noting its logprob and the top
+    `logprobs` alternatives under the distribution sampled from when asked to."""
+    tok = self.picker.pick(logits)
+    if self.logprobs is not None:
+      self._pending = (tok, TokenLogprob.of(self.picker.logprobs(logits), tok, self.logprobs))
+    return tok
 
   def emit(self, tok: int) -> bool:
     """Records `tok`; True when generation must stop (stop token/string, or length)."""
+    if self._pending is not None:
+      self.scores.append(self._pending)
+      self._pending = None
     if tok in self.stops:
       self.reason = "stop_token"
       return True
@@ -98,11 +117,15 @@ class Request:
 def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, stop_ids=None, stop=(), on_token=None,
-                on_text=None) -> Request:
+                on_text=None, logprobs: int | None = None) -> Request:
   """Validates one request's sampling and stop settings (before any compute)."""
   from glmjax.decoding import sampling, text
   if temperature < 0:  # also checked by SamplingParams; kept for a plain message
     raise InputError(f"temperature must be ≥ 0, got {temperature}")
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < MAX_SEED:
+    raise InputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+  if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+    raise InputError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
   params = sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
   if stop and model.tokenizer is None:
     raise InputError("stop strings need a tokenizer")
@@ -112,7 +135,8 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
       max_new_tokens=max_new_tokens, picker=picker, seed=seed,
       stops=model.default_stop_ids() if stop_ids is None else set(stop_ids),
       stream=text.StreamDecoder(tok) if tok is not None else None,
-      matcher=text.StopMatcher(stop) if stop else None, on_token=on_token, on_text=on_text)
+      matcher=text.StopMatcher(stop) if stop else None, on_token=on_token, on_text=on_text,
+      logprobs=logprobs)
 
 
 def chunk_plan(n: int, chunk: int) -> list[tuple[int, int, int]]:
@@ -292,7 +316,7 @@ def decode_loop(runner: Runner, cache: KVCache, start: int, prefilled, req: Requ
   `prefilled` = (logits, prefill seconds, compile seconds). Returns (stats, cache)."""
   logits, prefill_s, compile_s = prefilled
   length = start
-  tok = req.picker.pick(logits) if req.max_new_tokens else None
+  tok = req.pick(logits) if req.max_new_tokens else None
   first_step_s = None  # the first decode step may include tracing/compilation
   # Shapes first met mid-decode compile there (the engine's fused step once the tiers hold a
   # whole step's experts, a kernel call over a new number of cached experts): that time is
@@ -302,7 +326,7 @@ def decode_loop(runner: Runner, cache: KVCache, start: int, prefilled, req: Requ
     while req.max_new_tokens and not req.emit(tok):
       logits, _, cache = runner.step(cache, [[tok]], length, recorder=req.recorder)
       length += 1
-      tok = req.picker.pick(logits[0, 0])
+      tok = req.pick(logits[0, 0])
       if first_step_s is None:
         first_step_s, c0 = time.perf_counter() - t0, clock.seconds
   decode_s = time.perf_counter() - t0

@@ -432,6 +432,21 @@ class TokenPicker:
     knobs, stages = self._knobs()
     return int(_sample_jit(sub, logits, knobs, stages))
 
+  def logprobs(self, logits) -> np.ndarray:
+    """float32 `[V]`: the log of the distribution `pick` samples from, after the penalty, the
+    temperature and the top-k/top-p/min-p filters (-inf where filtered out). At temperature 0,
+    the model's log-softmax after the penalty (the argmax's one-hot would say nothing)."""
+    logits = self._adjusted(logits)
+    if self.greedy:
+      return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)), np.float32)
+    with np.errstate(divide="ignore"):
+      return np.log(self._sampled_probs(logits)).astype(np.float32)
+
+  def _sampled_probs(self, logits) -> np.ndarray:
+    """The sampling distribution of logits the penalty has already adjusted."""
+    knobs, stages = self._knobs()
+    return np.asarray(_probs_jit(logits, knobs, stages), np.float64)
+
   def probs(self, logits) -> np.ndarray:
     """float64 `[V]`: the distribution `pick` samples from (one-hot at the argmax if greedy)."""
     logits = self._adjusted(logits)
@@ -439,5 +454,4 @@ class TokenPicker:
       out = np.zeros(logits.shape[-1])
       out[int(jnp.argmax(logits))] = 1.0
       return out
-    knobs, stages = self._knobs()
-    return np.asarray(_probs_jit(logits, knobs, stages), np.float64)
+    return self._sampled_probs(logits)

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP server: a Starlette app over the continuous-batching scheduler.
 
   POST /v1/chat/completions   the model's own chat template (as Model.chat), stream or not
-  POST /v1/completions        the prompt encoded as Model.generate(str) does, no template
+  POST /v1/completions        prompts as text or token ids, one or a batch; echo and logprobs
   GET  /v1/models             the one served model
-  GET  /health                liveness, batch and queue state, engine counters
+  GET  /tokenizer_info        eos/bos/pad tokens and the chat template (lm-eval's probe)
+  POST /tokenize, /detokenize text ↔ token ids with the model's tokenizer
+  GET  /health                liveness, batch and queue state, engine counters (no key needed)
 
-Routes check their input and answer OpenAI's error shape with a 4xx; only a fault of the
-server itself is a 500. Streams are server-sent events ending with `data: [DONE]`; a client
-that goes away cancels its job, whose batch row is freed at the next step boundary.
+Every route but /health checks the guard (API key, Host header, JSON body and its size: see
+glmjax.serving.guard). Routes check their input and answer OpenAI's error shape with a 4xx;
+only a fault of the server itself is a 5xx. Streams are server-sent events ending with
+`data: [DONE]`; a client that goes away, streaming or not, cancels its choices, whose batch
+rows are freed at the next step boundary.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -26,8 +31,9 @@ from starlette.routing import Route
 from glmjax.decoding import sampling
 from glmjax.errors import GlmjaxError, InputError
 from glmjax.serving import protocol
+from glmjax.serving.guard import Guard
 from glmjax.serving.protocol import ApiError
-from glmjax.serving.scheduler import Job, QueueFull, Scheduler
+from glmjax.serving.scheduler import Job, QueueFull, ServerDown
 
 DEFAULT_MAX_TOKENS = {"chat": 512, "completion": 16}  # OpenAI's completion default is 16
 
@@ -42,75 +48,105 @@ def _error(e: ApiError) -> JSONResponse:
 
 
 def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
-               kv_cache_gb: float | None = None):
+               kv_cache_gb: float | None = None, guard: Guard | None = None):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
   `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
-  (None: automatic, glmjax.serving.batch.kv_budget). `app.state.scheduler` is its scheduler;
-  call `app.state.scheduler.close()` when done."""
+  (None: automatic, glmjax.serving.batch.kv_budget), behind `guard` (default: no API key, a
+  loopback bind, 8 MB bodies). `app.state.scheduler` is its scheduler; call
+  `app.state.scheduler.close()` when done."""
+  from glmjax.serving.scheduler import Scheduler
   name = name or model_name(model)
-  if model.tokenizer is None:
+  guard = guard or Guard()
+  tok = model.tokenizer
+  if tok is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
   scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb)
-  gen = sampling.SamplingParams.from_generation_config(model.tokenizer.generation_config or {})
+  gen = sampling.SamplingParams.from_generation_config(tok.generation_config or {})
   defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 
-  async def body_of(request: Request) -> dict:
-    raw = await request.body()
-    try:
-      body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-      raise ApiError(400, f"the request body is not valid JSON: {e}", None,
-                     "invalid_json") from None
-    if not isinstance(body, dict):
-      raise ApiError(400, "the request body must be a JSON object", None, "invalid_type")
-    return body
+  def token_text(t: int) -> str:
+    return tok.decode([t])
 
-  def encode(kind: str, body: dict) -> np.ndarray:
+  def encode(kind: str, body: dict) -> list[tuple[np.ndarray, str]]:
+    """(token ids, text) per prompt: the chat's templated messages, or each completion prompt."""
     from glmjax.decoding import text
     try:
       if kind == "chat":
-        ids = text.encode_chat(protocol.messages(body), model.tokenizer,
-                               add_generation_prompt=True, enable_thinking=False)
-      else:
-        p = protocol.prompt(body)
-        ids = model.tokenizer.encode(p) if isinstance(p, str) else p
-      return model.check_tokens(ids)
+        ids = text.encode_chat(protocol.messages(body), tok, add_generation_prompt=True,
+                               enable_thinking=False)
+        return [(model.check_tokens(ids), "")]
+      out = []
+      for p in protocol.prompts(body):
+        ids = model.check_tokens(tok.encode(p) if isinstance(p, str) else p)
+        out.append((ids, p if isinstance(p, str) else tok.decode(list(p))))
+      return out
     except GlmjaxError as e:
       raise ApiError(400, str(e), "messages" if kind == "chat" else "prompt") from None
 
-  async def complete(request: Request, kind: str):
-    try:
-      body = await body_of(request)
-      protocol.check_model(body, name)
-      stream = protocol.stream_flag(body)
-      ids = encode(kind, body)
+  def plan(kind: str, body: dict) -> tuple[list[dict], bool, bool]:
+    """The request's choices (prompt ids, text, settings, index), stream and include_usage:
+    all checks on a worker thread, before anything is queued."""
+    protocol.check_model(body, name)
+    stream = protocol.stream_flag(body)
+    usage = protocol.include_usage(body)
+    prompts = encode(kind, body)
+    n = protocol.choices_per_prompt(body, len(prompts))
+    choices = []
+    for p, (ids, text) in enumerate(prompts):
       settings = protocol.sampling(body, len(ids), scheduler.context, DEFAULT_MAX_TOKENS[kind],
                                    defaults)
       try:  # the sampler's own checks, before the request takes a place in the queue
         sampling.SamplingParams(settings["temperature"], 0, settings["top_p"], 0.0, 1.0)
       except GlmjaxError as e:
         raise ApiError(400, str(e)) from None
-      job = Job(ids, settings, asyncio.get_running_loop())
+      for j in range(n):  # choice j of a prompt samples with seed + j
+        choices.append(dict(ids=ids, text=text, index=p * n + j, first=j == 0, settings={
+            **settings, "seed": (settings["seed"] + j) % protocol.MAX_SEED}))
+    return choices, stream, usage
+
+  async def complete(request: Request, kind: str):
+    jobs: list[Job] = []
+    try:
+      guard.admit(request)
+      body = await guard.json_body(request)
+      choices, stream, usage = await run_in_threadpool(plan, kind, body)
+      queue: asyncio.Queue = asyncio.Queue()
+      loop = asyncio.get_running_loop()
+      jobs = [Job(c["ids"], c["settings"], loop, queue, c["index"], protocol.echo(body),
+                  c["first"]) for c in choices]
       try:
-        scheduler.submit(job)
+        for job in jobs:
+          scheduler.submit(job)
       except QueueFull as e:
         raise ApiError(429, str(e), None, "queue_full", "rate_limit_error") from None
+      except ServerDown as e:
+        raise ApiError(503, str(e), None, "server_down", "server_error") from None
       except InputError as e:  # more than the batch can ever hold: its context or KV budget
         raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
     except ApiError as e:
+      for job in jobs:
+        job.cancel()  # the choices queued before the refusal
       return _error(e)
-    reply = protocol.Reply(kind, name)
+    reply = protocol.Reply(kind, name, token_text)
+    texts = {c["index"]: c["text"] for c in choices}
     if stream:
-      return StreamingResponse(_events(job, reply, request), media_type="text/event-stream")
+      return StreamingResponse(_events(jobs, reply, usage), media_type="text/event-stream")
     try:
-      while True:
-        kind_, value = await job.queue.get()
+      summaries = []
+      while len(summaries) < len(jobs):
+        event = await _next_event(queue, request)
+        if event is None:
+          return _error(ApiError(499, "the client went away", None, "client_closed"))
+        kind_, value, index = event
         if kind_ == "done":
-          return JSONResponse(reply.whole(value))
-        if kind_ == "error":
+          summaries.append({**value, "prompt_text": texts[index], "echo_text":
+                            texts[index] if value["echo"] else ""})
+        elif kind_ == "error":
           return _error(_failure(value))
+      return JSONResponse(reply.whole(summaries))
     finally:
-      job.cancel()  # a no-op once done; frees the row if the client went away
+      for job in jobs:
+        job.cancel()  # a no-op once done; frees the rows if the client went away or one failed
 
   async def chat(request: Request):
     return await complete(request, "chat")
@@ -118,12 +154,34 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   async def completions(request: Request):
     return await complete(request, "completion")
 
+  async def guarded(request: Request, answer, needs_body: bool = True):
+    try:
+      guard.admit(request)
+      body = await guard.json_body(request) if needs_body else None
+      return JSONResponse(await run_in_threadpool(answer, body))
+    except ApiError as e:
+      return _error(e)
+
   async def models(request: Request):
-    return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "glmjax"}]})
+    return await guarded(request, lambda _: {"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "glmjax"}]},
+        needs_body=False)
+
+  async def tokenizer_info(request: Request):
+    return await guarded(request, lambda _: protocol.tokenizer_info(tok), needs_body=False)
+
+  async def tokenize(request: Request):
+    return await guarded(request, lambda body: protocol.tokenize(tok, body))
+
+  async def detokenize(request: Request):
+    return await guarded(request, lambda body: protocol.detokenize(tok, body,
+                                                                   model.config.vocab_size))
 
   async def health(request: Request):
-    return JSONResponse({"status": "ok", "model": name, **scheduler.state()})
+    state = scheduler.state()
+    ok = scheduler.dead is None
+    return JSONResponse({"status": "ok" if ok else "error", "model": name, **state},
+                        status_code=200 if ok else 503)
 
   async def not_found(request: Request, exc):
     status = getattr(exc, "status_code", 404)
@@ -134,17 +192,35 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       Route("/v1/chat/completions", chat, methods=["POST"]),
       Route("/v1/completions", completions, methods=["POST"]),
       Route("/v1/models", models, methods=["GET"]),
+      Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+      Route("/tokenize", tokenize, methods=["POST"]),
+      Route("/detokenize", detokenize, methods=["POST"]),
       Route("/health", health, methods=["GET"]),
   ], exception_handlers={404: not_found, 405: not_found})
   app.state.scheduler = scheduler
   app.state.model_name = name
+  app.state.guard = guard
   return app
 
 
+async def _next_event(queue: asyncio.Queue, request: Request, poll_s: float = 0.25):
+  """The next event of a request's choices, or None once its client has disconnected (a
+  non-streaming client is noticed too, between polls)."""
+  while True:
+    try:
+      return await asyncio.wait_for(queue.get(), poll_s)
+    except asyncio.TimeoutError:
+      if await request.is_disconnected():
+        return None
+
+
 def _failure(e: Exception) -> ApiError:
-  """A job's failure: the request's fault (InputError) is a 400, anything else the server's."""
+  """A job's failure: the request's fault (InputError) is a 400, a stopped scheduler a 503,
+  anything else the server's 500."""
   if isinstance(e, InputError):
     return ApiError(400, str(e))
+  if isinstance(e, ServerDown):
+    return ApiError(503, str(e), None, "server_down", "server_error")
   return ApiError(500, str(e), None, "internal_error", "server_error")
 
 
@@ -152,22 +228,28 @@ def _sse(obj) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _events(job: Job, reply: protocol.Reply, request: Request):
-  """A job's server-sent events; cancels the job when the client disconnects (Starlette then
-  cancels the stream, which runs the `finally`)."""
-  first = True
+async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool):
+  """The server-sent events of a request's choices, each chunk naming its choice; cancels the
+  choices when the client disconnects (Starlette then cancels the stream, which runs the
+  `finally`)."""
+  queue = jobs[0].queue
+  opened, summaries = set(), []
   try:
-    while True:
-      kind, value = await job.queue.get()
+    while len(summaries) < len(jobs):
+      kind, value, index = await queue.get()
       if kind == "start" or (kind == "text" and value):
-        yield _sse(reply.chunk(value, first))
-        first = False
+        yield _sse(reply.chunk(value, index, index not in opened))
+        opened.add(index)
       elif kind == "done":
-        yield _sse(reply.chunk(None, first, value))
-        break
+        summaries.append(value)
+        yield _sse(reply.chunk(None, index, index not in opened, value))
       else:
         yield _sse(_failure(value).body)
         break
+    else:
+      if include_usage:
+        yield _sse(reply.usage_chunk(summaries))
     yield "data: [DONE]\n\n"
   finally:
-    job.cancel()
+    for job in jobs:
+      job.cancel()

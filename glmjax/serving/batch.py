@@ -33,6 +33,7 @@ class Row:
   length: int
   pages: list
   tag: object = None  # the caller's handle (the scheduler's job)
+  prompt: np.ndarray | None = None  # [S] the prompt it was admitted with
 
 
 def kv_budget(model, width: int, context: int, kv_cache_gb: float | None) -> int:
@@ -132,6 +133,25 @@ class BatchDecoder:
         return True
     return False
 
+  # --- faults ---------------------------------------------------------------------------------
+  def damaged(self) -> bool:
+    """True when a failed step took the pool's arrays with it (they were donated)."""
+    import jax
+    return any(a.is_deleted() for a in jax.tree.leaves(self.pool.layers))
+
+  def reset(self) -> None:
+    """New zeroed KV arrays after a fault; every live row must then be `restore`d."""
+    self.pool.reset()
+
+  def restore(self, tag) -> None:
+    """Prefills the live row of `tag` again into its own pages: its prompt and the tokens it
+    has fed since (all but the last one emitted, which is the next to feed)."""
+    row = next(r for r in self.rows if r is not None and r.tag is tag)
+    ids = np.concatenate([row.prompt, np.asarray(row.req.out[:-1], np.int32)]).astype(np.int32)
+    assert len(ids) == row.length, (len(ids), row.length)
+    one = self.pool.cache([self.pool.table(row.pages, self.width_pages)], 0, self.runner.put)
+    self.pool.update(self.runner.prefill(one, ids, 0)[2])
+
   # --- work ----------------------------------------------------------------------------------
   def admit(self, prompt_ids: np.ndarray, req, tag=None) -> bool:
     """Prefills `prompt_ids` `[S]` alone into pages of its own and emits its first token.
@@ -147,7 +167,7 @@ class BatchDecoder:
       one = self.pool.cache([self.pool.table(pages, self.width_pages)], 0, self.runner.put)
       logits, _, one = self.runner.prefill(one, prompt_ids, 0)
       self.pool.update(one)
-      tok = req.picker.pick(logits)
+      tok = req.pick(logits)
     except BaseException:
       self.pool.release(pages)
       raise
@@ -155,7 +175,7 @@ class BatchDecoder:
       req.finish()
       self.pool.release(pages)
       return True
-    self.rows[self.rows.index(None)] = Row(req, tok, n, pages, tag)
+    self.rows[self.rows.index(None)] = Row(req, tok, n, pages, tag, np.asarray(prompt_ids))
     return False
 
   def step(self) -> list[Row]:
@@ -173,7 +193,7 @@ class BatchDecoder:
       if r is None:
         continue
       r.length += 1  # the fed token is now cached
-      r.token = r.req.picker.pick(logits[i])
+      r.token = r.req.pick(logits[i])
       if r.req.emit(r.token):
         r.req.finish()
         done.append(r)

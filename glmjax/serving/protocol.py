@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 # Sampling bounds as OpenAI documents them.
 _TEMPERATURE = (0.0, 2.0)
+MAX_LOGPROBS = 20  # alternatives per position (vLLM's default --max-logprobs)
+MAX_CHOICES = 16  # prompts × n in one request: each choice takes a batch row
+MAX_SEED = 2 ** 63  # the PRNG key is an int64
 
 
 class ApiError(Exception):
@@ -37,12 +40,25 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float,
   return float(v)
 
 
-def _int(body: dict, name: str, default: int | None) -> int | None:
+def _int(body: dict, name: str, default: int | None, lo: int = -2 ** 63,
+         hi: int = 2 ** 63 - 1) -> int | None:
   v = body.get(name, default)
   if v is None:
     return default
   if isinstance(v, bool) or not isinstance(v, int):
     raise ApiError(400, f"{name} must be an integer, got {type(v).__name__}", name,
+                   "invalid_type")
+  if not lo <= v <= hi:
+    raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {v}", name, "invalid_value")
+  return v
+
+
+def _bool(body: dict, name: str) -> bool:
+  v = body.get(name, False)
+  if v is None:
+    return False
+  if not isinstance(v, bool):
+    raise ApiError(400, f"{name} must be a boolean, got {type(v).__name__}", name,
                    "invalid_type")
   return v
 
@@ -74,17 +90,14 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
   max_tokens = _int(body, "max_tokens", max_tokens)
   if max_tokens is None:
     max_tokens = min(default_max, room)
-  if max_tokens < 1:
-    raise ApiError(400, f"max_tokens must be ≥ 1, got {max_tokens}", "max_tokens",
-                   "invalid_value")
+  if max_tokens < (0 if echo(body) else 1):  # echo with 0 new tokens scores the prompt only
+    raise ApiError(400, f"max_tokens must be ≥ 1 (≥ 0 with echo), got {max_tokens}",
+                   "max_tokens", "invalid_value")
   if max_tokens > room:
     raise ApiError(400, f"max_tokens ({max_tokens}) + the prompt ({n_prompt} tokens) exceed "
                    f"the context of {context} tokens", "max_tokens", "context_length_exceeded")
-  n = _int(body, "n", 1)
-  if n != 1:
-    raise ApiError(400, f"only n=1 is supported, got {n}", "n", "invalid_value")
-  seed = _int(body, "seed", 0)
-  return dict(max_new_tokens=max_tokens,
+  seed = _int(body, "seed", 0, 0, MAX_SEED - 1)
+  return dict(max_new_tokens=max_tokens, logprobs=logprobs(body),
               temperature=_number(body, "temperature", defaults.get("temperature", 1.0),
                                   *_TEMPERATURE),
               top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
@@ -92,13 +105,48 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
 
 
 def stream_flag(body: dict) -> bool:
-  v = body.get("stream", False)
-  if v is None:
+  stream = _bool(body, "stream")
+  if stream and (echo(body) or logprobs(body) is not None):
+    raise ApiError(400, "logprobs and echo are not supported with stream", "stream",
+                   "invalid_value")
+  return stream
+
+
+def include_usage(body: dict) -> bool:
+  """`stream_options.include_usage`: a last chunk with no choices and the usage."""
+  opts = body.get("stream_options")
+  if opts is None:
     return False
-  if not isinstance(v, bool):
-    raise ApiError(400, f"stream must be a boolean, got {type(v).__name__}", "stream",
-                   "invalid_type")
-  return v
+  if not isinstance(opts, dict):
+    raise ApiError(400, "stream_options must be an object", "stream_options", "invalid_type")
+  return _bool(opts, "include_usage")
+
+
+def echo(body: dict) -> bool:
+  """Completions' `echo`: the prompt (and its logprobs) come first in the choice."""
+  return "messages" not in body and _bool(body, "echo")
+
+
+def logprobs(body: dict) -> int | None:
+  """Alternatives to report per token, or None when no logprobs are asked for. Completions:
+  `logprobs` an int ≤ 20; chat: `logprobs: true` with `top_logprobs` ≤ 20."""
+  if "messages" in body:
+    if not _bool(body, "logprobs"):
+      if body.get("top_logprobs") is not None:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs",
+                       "invalid_value")
+      return None
+    return _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+  return _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+
+
+def choices_per_prompt(body: dict, n_prompts: int) -> int:
+  """`n`: choices per prompt, each its own batch row; prompts × n at most MAX_CHOICES."""
+  n = _int(body, "n", 1, 1, MAX_CHOICES)
+  if n * n_prompts > MAX_CHOICES:
+    raise ApiError(400, f"{n_prompts} prompts × n={n} exceed {MAX_CHOICES} choices in one "
+                   "request", "n", "invalid_value")
+  return n
 
 
 def check_model(body: dict, served: str) -> None:
@@ -138,25 +186,35 @@ def messages(body: dict) -> list[dict]:
   return out
 
 
-def prompt(body: dict):
-  """A completion prompt: text, or a list of token ids."""
+def _token_ids(p) -> bool:
+  return (isinstance(p, list) and bool(p) and
+          all(isinstance(t, int) and not isinstance(t, bool) for t in p))
+
+
+def prompts(body: dict) -> list:
+  """A completion's prompts, each text or a list of token ids: `prompt` is a string, a
+  token-id list, or a list of either (a batch: one choice per prompt, in order)."""
   p = body.get("prompt")
-  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-    p = p[0]
-  if isinstance(p, str) and p:
+  if (isinstance(p, str) and p) or _token_ids(p):
+    return [p]
+  if (isinstance(p, list) and p and len(p) <= MAX_CHOICES and
+      all((isinstance(q, str) and q) or _token_ids(q) for q in p)):
     return p
-  if (isinstance(p, list) and p and
-      all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
-    return p
-  raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt",
-                 "invalid_type")
+  raise ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of at "
+                 f"most {MAX_CHOICES} of either", "prompt", "invalid_type")
 
 
 # --- responses ---------------------------------------------------------------------------------
 
-def _usage(s: dict) -> dict:
-  return {"prompt_tokens": s["prompt_tokens"], "completion_tokens": s["completion_tokens"],
-          "total_tokens": s["prompt_tokens"] + s["completion_tokens"]}
+def usage(summaries: list[dict]) -> dict:
+  """Token counts of a request's choices: each prompt counted once, however many choices."""
+  prompt = sum(s["prompt_tokens"] for s in summaries if s["first_of_prompt"])
+  completion = sum(s["completion_tokens"] for s in summaries)
+  out = {"prompt_tokens": prompt, "completion_tokens": completion,
+         "total_tokens": prompt + completion}
+  cached = sum(s.get("cached_tokens", 0) for s in summaries if s["first_of_prompt"])
+  out["prompt_tokens_details"] = {"cached_tokens": cached}
+  return out
 
 
 def telemetry(s: dict) -> dict:
@@ -167,43 +225,121 @@ def telemetry(s: dict) -> dict:
 
 
 class Reply:
-  """Builds one request's response bodies (whole, or as stream chunks)."""
+  """Builds one request's response bodies (whole, or as stream chunks). `token_text` maps a
+  token id to its text (for logprobs)."""
 
-  def __init__(self, kind: str, model: str):
+  def __init__(self, kind: str, model: str, token_text: Callable[[int], str] | None = None):
     self.chat = kind == "chat"
     self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
     self.created = int(time.time())
     self.model = model
+    self.token_text = token_text or str
 
   def _base(self, obj: str) -> dict:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-  def whole(self, s: dict) -> dict:
+  def _choice(self, s: dict) -> dict:
     if self.chat:
-      choice = {"index": 0, "message": {"role": "assistant", "content": s["text"]},
-                "finish_reason": s["finish_reason"], "logprobs": None}
-      body = self._base("chat.completion")
-    else:
-      choice = {"index": 0, "text": s["text"], "finish_reason": s["finish_reason"],
-                "logprobs": None}
-      body = self._base("text_completion")
-    return {**body, "choices": [choice], "usage": _usage(s), "glmjax": telemetry(s)}
+      return {"index": s["index"], "message": {"role": "assistant", "content": s["text"]},
+              "finish_reason": s["finish_reason"], "logprobs": self._chat_logprobs(s)}
+    return {"index": s["index"], "text": s.get("echo_text", "") + s["text"],
+            "finish_reason": s["finish_reason"], "logprobs": self._completion_logprobs(s)}
 
-  def chunk(self, piece: str | None, first: bool = False, summary: dict | None = None) -> dict:
-    """A stream chunk with text `piece`; the last one (with `summary`) carries the finish
-    reason, usage and telemetry."""
+  def whole(self, summaries: list[dict]) -> dict:
+    """The response of a finished request, its choices in `index` order."""
+    summaries = sorted(summaries, key=lambda s: s["index"])
+    body = self._base("chat.completion" if self.chat else "text_completion")
+    return {**body, "choices": [self._choice(s) for s in summaries], "usage": usage(summaries),
+            "glmjax": telemetry(summaries[0]) if len(summaries) == 1 else
+            [telemetry(s) for s in summaries]}
+
+  def chunk(self, piece: str | None, index: int = 0, first: bool = False,
+            summary: dict | None = None) -> dict:
+    """A stream chunk of choice `index` with text `piece`; its last one (with `summary`)
+    carries the finish reason and telemetry."""
     reason = summary["finish_reason"] if summary else None
     if self.chat:
       delta: dict[str, Any] = {"role": "assistant"} if first else {}
       if piece:
         delta["content"] = piece
-      choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
       body = self._base("chat.completion.chunk")
     else:
-      choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": None}
       body = self._base("text_completion")
     body["choices"] = [choice]
-    if summary:
-      body["usage"] = _usage(summary)
+    if summary:  # the choice's own usage (include_usage adds the whole request's at the end)
+      body["usage"] = usage([summary])
       body["glmjax"] = telemetry(summary)
     return body
+
+  def usage_chunk(self, summaries: list[dict]) -> dict:
+    """`stream_options.include_usage`'s last chunk: no choices, the whole request's usage."""
+    body = self._base("chat.completion.chunk" if self.chat else "text_completion")
+    return {**body, "choices": [], "usage": usage(summaries)}
+
+  # --- logprobs --------------------------------------------------------------------------
+  def _top(self, score) -> dict:
+    return {self.token_text(t): lp for t, lp in zip(score.top_ids, score.top_logprobs)}
+
+  def _completion_logprobs(self, s: dict) -> dict | None:
+    """Legacy completions' logprobs: tokens, token_logprobs, top_logprobs (dicts) and
+    text_offset; with echo the prompt's tokens come first, the first one's logprob null."""
+    if s["logprobs"] is None:
+      return None
+    scored = list(s["prompt_scores"]) if s["echo"] else []
+    scored += s["scores"]
+    tokens = [self.token_text(t) for t, _ in scored]
+    offsets, at = [], 0 if s["echo"] else len(s.get("prompt_text", ""))
+    for text in tokens:
+      offsets.append(at)
+      at += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [None if sc is None else sc.logprob for _, sc in scored],
+            "top_logprobs": [None if sc is None else self._top(sc) for _, sc in scored],
+            "text_offset": offsets}
+
+  def _chat_logprobs(self, s: dict) -> dict | None:
+    """Chat's logprobs: one entry per content token (the stop token is not content)."""
+    if s["logprobs"] is None:
+      return None
+    scored = s["scores"][:len(s["tokens"])]
+
+    def entry(t: int, lp: float) -> dict:
+      text = self.token_text(t)
+      return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [{**entry(t, sc.logprob), "top_logprobs": [
+        entry(i, lp) for i, lp in zip(sc.top_ids, sc.top_logprobs)]} for t, sc in scored],
+            "refusal": None}
+
+
+# --- tokenizer routes (lm-eval's remote tokenizer probes these) ---------------------------------
+
+def tokenizer_info(tok) -> dict:
+  """GET /tokenizer_info: the named special tokens (eos_token always) and the chat template."""
+  names = tok.special_tokens_map
+  eos = names.get("eos_token") or "<|endoftext|>"
+  out = {"eos_token": eos, "bos_token": names.get("bos_token"),
+         "pad_token": names.get("pad_token"), "chat_template": tok.chat_template,
+         "vocab_size": tok.vocab_size}
+  return {k: v for k, v in out.items() if v is not None}
+
+
+def tokenize(tok, body: dict) -> dict:
+  """POST /tokenize {prompt, add_special_tokens}: {"tokens": [...]}. The model adds no special
+  tokens to a completion prompt, so add_special_tokens changes nothing here."""
+  text = body.get("prompt")
+  if not isinstance(text, str):
+    raise ApiError(400, "prompt must be a string", "prompt", "invalid_type")
+  _bool(body, "add_special_tokens")
+  return {"tokens": tok.encode(text)}
+
+
+def detokenize(tok, body: dict, vocab_size: int) -> dict:
+  """POST /detokenize {tokens}: {"prompt": text}."""
+  ids = body.get("tokens")
+  if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and
+                                        0 <= t < vocab_size for t in ids)):
+    raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size})", "tokens",
+                   "invalid_type")
+  return {"prompt": tok.decode(ids)}

@@ -20,29 +20,39 @@ import numpy as np
 
 from glmjax.errors import GlmjaxError, InputError
 from glmjax.decoding.generation import new_request
-from glmjax.decoding.pages import GiB
+from glmjax.decoding.logprobs import prompt_logprobs
 from glmjax.serving.batch import BatchDecoder
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
 ENGINE_KEYS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "expert_bytes_read")
+MAX_FAULTS = 3  # failed turns in a row before the live rows are failed rather than recomputed
 
 
 class QueueFull(GlmjaxError):
   """The scheduler's queue holds `max_queue` waiting requests already."""
 
 
+class ServerDown(GlmjaxError):
+  """The scheduler thread stopped: nothing more can be served (a 503)."""
+
+
 class Job:
-  """One request's journey: its prompt and settings in, events out to `loop`'s `queue`."""
+  """One choice of a request: its prompt and settings in, events out to `loop`'s `queue`
+  (shared by the request's choices; each event names its choice `index`)."""
   _ids = itertools.count()
 
-  def __init__(self, prompt_ids: np.ndarray, settings: dict, loop: asyncio.AbstractEventLoop):
+  def __init__(self, prompt_ids: np.ndarray, settings: dict, loop: asyncio.AbstractEventLoop,
+               queue: asyncio.Queue | None = None, index: int = 0, echo: bool = False,
+               first_of_prompt: bool = True):
     self.id = next(Job._ids)
     self.prompt_ids = prompt_ids  # [S] int32
     self.settings = settings  # new_request keywords (max_new_tokens, temperature, ...)
     self.loop = loop
-    self.queue: asyncio.Queue = asyncio.Queue()
+    self.queue: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+    self.index, self.echo, self.first_of_prompt = index, echo, first_of_prompt
     self.cancelled = False
     self.req = None  # glmjax.decoding.generation.Request once admitted
+    self.prompt_scores: list | None = None  # with echo: (token, TokenLogprob | None) each
     self.t_submit = time.perf_counter()
     self.t_first: float | None = None
     self.engine: dict[str, float] = {}  # its share of the offload engine's counters
@@ -50,7 +60,7 @@ class Job:
   def push(self, kind: str, value) -> None:
     """Thread-safe: hands an event to the request's coroutine (dropped once its loop closed)."""
     try:
-      self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+      self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value, self.index))
     except RuntimeError:
       pass
 
@@ -59,14 +69,17 @@ class Job:
     self.cancelled = True
 
   def summary(self) -> dict:
-    """Usage and glmjax telemetry of a finished job."""
+    """Usage, logprobs and glmjax telemetry of a finished job."""
     now, req = time.perf_counter(), self.req
     n_out = len(req.out)
     first = self.t_first or now
     decode_s = now - first
-    out = dict(prompt_tokens=int(len(self.prompt_ids)), completion_tokens=n_out,
+    out = dict(index=self.index, first_of_prompt=self.first_of_prompt, echo=self.echo,
+               prompt_tokens=int(len(self.prompt_ids)), completion_tokens=n_out,
                finish_reason="length" if req.reason == "max_new_tokens" else "stop",
-               text="".join(req.pieces), tokens=list(req.out),
+               text="".join(req.pieces), tokens=list(req.out), logprobs=req.logprobs,
+               scores=list(req.scores), prompt_ids=[int(t) for t in self.prompt_ids],
+               prompt_scores=self.prompt_scores,
                ttft_s=first - self.t_submit, latency_s=now - self.t_submit,
                decode_tok_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0)
     out.update(self.engine)
@@ -75,8 +88,9 @@ class Job:
 
 class Scheduler:
   """Continuous batching over `model`: up to `max_batch` requests decode together, up to
-  `max_queue` more wait. `submit` is called from the server's threads; the rest runs on the
-  scheduler's own thread."""
+  `max_queue` more wait. `submit`, `state` and `close` are called from the server's threads;
+  everything that touches the model runs on the scheduler's own thread, which publishes a
+  snapshot of the engine's counters after each step for `state` to read."""
 
   def __init__(self, model, max_batch: int = 4, max_queue: int = 16,
                kv_cache_gb: float | None = None):
@@ -91,17 +105,23 @@ class Scheduler:
     self._cond = threading.Condition()
     self._stop = False
     self._held = False
-    self.counts = dict.fromkeys(("submitted", "completed", "cancelled", "failed", "steps"), 0)
+    self.dead: str | None = None  # why the scheduler thread stopped, once it has
+    self.counts = dict.fromkeys(("submitted", "completed", "cancelled", "failed", "steps",
+                                 "faults", "recovered"), 0)
     self.peak_live = 0
+    self._engine_view = self._telemetry()  # published by the scheduler thread from now on
     self._thread = threading.Thread(target=self._run, name="glmjax-scheduler", daemon=True)
     self._thread.start()
 
   # --- called from the server ------------------------------------------------------------
   def submit(self, job: Job) -> None:
     """Queues `job`; raises InputError when the batch can never hold it (its context or the
-    whole KV budget), QueueFull when `max_queue` requests are waiting already."""
+    whole KV budget), QueueFull when `max_queue` requests are waiting already, ServerDown
+    when the scheduler thread has stopped."""
     self.batch.check_fits(self._tokens(job))
     with self._cond:
+      if self.dead:
+        raise ServerDown(self.dead)
       if len(self._waiting) >= self.max_queue + self.batch.free():
         raise QueueFull(f"the queue is full ({self.max_queue} waiting requests); retry later")
       self._waiting.append(job)
@@ -109,19 +129,21 @@ class Scheduler:
       self._cond.notify()
 
   def state(self) -> dict:
-    """Live rows, waiting requests and counters (the /health payload)."""
+    """Live rows, waiting requests and counters (the /health payload); never touches the
+    engine, whose counters come from the scheduler thread's last snapshot."""
     with self._cond:
       jobs = list(self._jobs.values())
       pool = self.batch.pool
-    out = dict(live=self.batch.live, waiting=len(self._waiting), max_batch=self.batch.width,
-               cancelling=sum(j.cancelled for j in jobs),
-               max_queue=self.max_queue, peak_live=self.peak_live, **self.counts,
-               kv={"budget_bytes": self.batch.kv_bytes, "pages": pool.n_pages - 1,
-                   "pages_free": len(pool.free), "page_size": pool.layout.page_size,
-                   "context": self.batch.context})
-    if self.model.engine is not None:
-      tel = self.model.engine.telemetry()
-      out["engine"] = {k: tel.get(k, 0.0) for k in ENGINE_KEYS}
+      out = dict(live=self.batch.live, waiting=len(self._waiting), max_batch=self.batch.width,
+                 cancelling=sum(j.cancelled for j in jobs),
+                 max_queue=self.max_queue, peak_live=self.peak_live, **self.counts,
+                 kv={"budget_bytes": self.batch.kv_bytes, "pages": pool.n_pages - 1,
+                     "pages_free": len(pool.free), "page_size": pool.layout.page_size,
+                     "context": self.batch.context})
+      if self._engine_view is not None:
+        out["engine"] = {k: self._engine_view.get(k, 0.0) for k in ENGINE_KEYS}
+    if self.dead:
+      out["error"] = self.dead
     return out
 
   def hold(self, held: bool) -> None:
@@ -140,6 +162,21 @@ class Scheduler:
 
   # --- the scheduler thread ----------------------------------------------------------------
   def _run(self) -> None:
+    try:
+      self._serve()
+    except BaseException as e:  # the thread is gone: say so, and answer everyone at once
+      logging.exception("the scheduler thread stopped")
+      with self._cond:
+        self.dead = f"the scheduler stopped: {type(e).__name__}: {e}"
+        jobs = list(self._waiting) + list(self._jobs.values())
+        self._waiting.clear()
+        self._jobs.clear()
+      for job in jobs:
+        self.counts["failed"] += 1
+        job.push("error", ServerDown(self.dead))
+
+  def _serve(self) -> None:
+    faults = 0  # consecutive failed turns
     while True:
       with self._cond:
         while not self._stop and not (self._waiting and self.batch.can_admit(
@@ -149,15 +186,19 @@ class Scheduler:
           return
       try:
         self._turn()
-      except Exception as e:  # never let one failure stop the server: fail what was running
+        faults = 0
+      except Exception as e:  # a fault mid-step: the live requests are recomputed, not failed
         logging.exception("scheduler step failed")
-        self._fail_all(e)
+        faults += 1
+        self._recover(e, give_up=faults >= MAX_FAULTS)
+      self._engine_view = self._telemetry()
 
   def _turn(self) -> None:
     """One step boundary: drop cancelled rows, admit waiting jobs, decode one step."""
     for job in [j for j in self._jobs.values() if j.cancelled]:
       self.batch.drop(job)
-      del self._jobs[job.id]
+      with self._cond:
+        del self._jobs[job.id]
       self.counts["cancelled"] += 1
     while self.batch.free():
       with self._cond:  # in order: the head waits for pages rather than be overtaken
@@ -173,9 +214,13 @@ class Scheduler:
     self.counts["steps"] += 1
     self._share(before, list(self._jobs.values()))
     for row in done:
-      self._finish(self._jobs.pop(row.tag.id))
+      with self._cond:
+        job = self._jobs.pop(row.tag.id)
+      self._finish(job)
 
   def _admit(self, job: Job) -> None:
+    """Prefills a job into a row. Its own failure fails it alone: the live rows are rebuilt
+    (`_recover`) when the failure may have taken the batch's KV arrays with it."""
     if job.cancelled:
       self.counts["cancelled"] += 1
       return
@@ -184,20 +229,24 @@ class Scheduler:
       job.req = new_request(self.model, job.prompt_ids, on_text=lambda p: job.push("text", p),
                             **job.settings)
       before = self._telemetry()
-      finished = self.batch.admit(job.prompt_ids, job.req, tag=job)
+      if job.echo:  # the prompt's own logprobs: one teacher-forced pass (Model.score)
+        job.prompt_scores = prompt_logprobs(self.model, job.prompt_ids, job.req.logprobs or 0)
+      finished = (job.req.max_new_tokens == 0 or
+                  self.batch.admit(job.prompt_ids, job.req, tag=job))
       self._share(before, [job])
     except Exception as e:
       self.counts["failed"] += 1
       job.push("error", e if isinstance(e, GlmjaxError) else
-               GlmjaxError(f"internal error during prefill: {e}"))
-      if not isinstance(e, GlmjaxError):
-        raise  # the batch may be unusable: _run starts it over
+               GlmjaxError(f"internal error during prefill: {type(e).__name__}: {e}"))
+      if self.batch.damaged():
+        self._recover(e, give_up=False)
       return
     job.t_first = time.perf_counter()
     if finished:
       self._finish(job)
     else:
-      self._jobs[job.id] = job
+      with self._cond:
+        self._jobs[job.id] = job
 
   @staticmethod
   def _tokens(job: Job) -> int:
@@ -222,13 +271,26 @@ class Scheduler:
       for job in jobs:
         job.engine[k] = job.engine.get(k, 0.0) + share
 
-  def _fail_all(self, error: Exception) -> None:
-    """After an unexpected failure mid-step (the batch cache may be donated): fail the live
-    jobs and start over with an empty batch."""
-    message = GlmjaxError(f"internal error during decoding: {error}")
-    for job in self._jobs.values():
-      self.counts["failed"] += 1
-      job.push("error", message)
-    self._jobs.clear()
-    self.batch = BatchDecoder(self.model, self.batch.width, self.batch.context,
-                              self.batch.kv_bytes / GiB)
+  def _recover(self, error: Exception, give_up: bool) -> None:
+    """After a fault mid-step, whose step may have donated the batch's KV arrays: new arrays,
+    and every live row prefilled again from its tokens, so one request's failure fails no
+    other. A row that cannot be restored fails alone; after MAX_FAULTS faults in a row the
+    live rows fail (the fault is not passing)."""
+    self.counts["faults"] += 1
+    with self._cond:
+      jobs = list(self._jobs.values())
+    self.batch.reset()
+    for job in jobs:
+      try:
+        if give_up:
+          raise GlmjaxError(f"internal error during decoding, {MAX_FAULTS} times in a row: "
+                            f"{type(error).__name__}: {error}")
+        self.batch.restore(job)
+        self.counts["recovered"] += 1
+      except Exception as e:
+        self.batch.drop(job)
+        with self._cond:
+          self._jobs.pop(job.id, None)
+        self.counts["failed"] += 1
+        job.push("error", e if isinstance(e, GlmjaxError) else
+                 GlmjaxError(f"internal error during decoding: {type(e).__name__}: {e}"))
