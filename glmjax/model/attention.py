@@ -14,6 +14,8 @@ the fresh keys seen as a pool. Three ways to attend compute the same function:
   and values) or absorbed (kv_b folded into the query and the output);
 - `blocked`: dense attention with an online softmax over key blocks, stopping at the last
   visible key: layers without DSA (the MTP block) over a long cache.
+Training runs the dense reference and asks it, through `Taps`, for what inference never
+computes: the dense attention distribution that distils the indexer, and no selection at all.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from glmjax.errors import InputError
 from glmjax.model import kvcache
 from glmjax.model.config import Config
 from glmjax.model.kvcache import LayerCache
@@ -97,13 +100,22 @@ def index_scores(q, w, keys):
   return jnp.einsum("bsg,bsgt->bst", w, jax.nn.relu(logits))
 
 
-def select_dense(q, w, keys, visible, k: int):
-  """The reference selection: the top `k` visible keys of every query by index score, ties
-  toward the earliest slot (`lax.top_k` is stable). `[B, S, k]` slots, -1 where a query sees
-  fewer than `k` keys."""
-  score = jnp.where(visible, index_scores(q, w, keys), -jnp.inf)
+def visible_scores(q, w, keys, visible):
+  """`index_scores` of the `visible` `[B|1, S, T]` keys, -inf elsewhere: `[B, S, T]`."""
+  return jnp.where(visible, index_scores(q, w, keys), -jnp.inf)
+
+
+def top_visible(score, k: int):
+  """The top `k` slots of `visible_scores` per query, ties toward the earliest slot
+  (`lax.top_k` is stable): `[B, S, k]`, -1 where a query sees fewer than `k` keys."""
   vals, top = jax.lax.top_k(score, k)
   return jnp.where(vals > -jnp.inf, top, -1)
+
+
+def select_dense(q, w, keys, visible, k: int):
+  """The reference selection: the top `k` visible keys of every query by index score
+  (`top_visible` of `visible_scores`)."""
+  return top_visible(visible_scores(q, w, keys, visible), k)
 
 
 def index_block_pages(view: KeyView, q_shape) -> int:
@@ -244,8 +256,9 @@ def blocked_attend(view: KeyView, q_abs, q_rope, q_slots, scale: float):
   return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
-def dense_attend(view: KeyView, q_nope, q_rope, mask, w_uk, w_uv, scale: float, absorbed: bool):
-  """Attention over every key slot of the view with `mask` `[B|1, S, T]`: `[B, S, H, V]`."""
+def dense_scores(view: KeyView, q_nope, q_rope, w_uk, scale: float, absorbed: bool):
+  """Scaled scores `[B, H, S, T]` of the queries against every key slot of the view, and the
+  latent keys `[B, T, C]`: expanded (kv_b rebuilds per-head keys) or absorbed."""
   latent, k_rope = view.dense("latent"), view.dense("k_rope")  # [B, T, C], [B, T, R]
   rope_score = jnp.einsum("bshr,btr->bhst", q_rope, k_rope)
   if absorbed:
@@ -254,8 +267,13 @@ def dense_attend(view: KeyView, q_nope, q_rope, mask, w_uk, w_uv, scale: float, 
   else:
     k_nope = jnp.einsum("btc,hnc->bthn", latent, w_uk)  # [B, T, H, N]
     score = jnp.einsum("bshn,bthn->bhst", q_nope, k_nope) + rope_score
-  score = jnp.where(mask[:, None], score * scale, -jnp.inf)
-  p = jax.nn.softmax(score, axis=-1)  # [B, H, S, T]
+  return score * scale, latent
+
+
+def dense_output(score, mask, latent, w_uv, absorbed: bool):
+  """Attention of `dense_scores`' `score` over the key slots in `mask` `[B|1, S, T]`:
+  `[B, S, H, V]`."""
+  p = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)  # [B, H, S, T]
   if absorbed:
     ctx = jnp.einsum("bhst,btc->bshc", p, latent)  # [B, S, H, C]
     return jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
@@ -263,11 +281,37 @@ def dense_attend(view: KeyView, q_nope, q_rope, mask, w_uk, w_uv, scale: float, 
   return jnp.einsum("bhst,bthv->bshv", p, vals)
 
 
+def head_mean_probs(score, visible):
+  """The dense attention distribution over the `visible` `[B|1, S, T]` keys of `dense_scores`'
+  `score`, averaged over heads, gradient stopped: `[B, S, T]` (the indexer's distillation
+  target)."""
+  score = jnp.where(visible[:, None], jax.lax.stop_gradient(score), -jnp.inf)
+  return jnp.mean(jax.nn.softmax(score, axis=-1), axis=1)
+
+
+# --- what training asks of attention -----------------------------------------------------------
+
+@dataclasses.dataclass
+class Taps:
+  """What training asks of the attention layers beyond their output (None in inference, which
+  computes none of it). Needs `impl="dense"`: the masked reference is the path that has
+  every key's score.
+
+  `select` False attends to every causal key (no DSA selection: the indexer's warm-up).
+  `index` collects, per layer with an indexer in order, (the mean-over-heads dense attention
+  probabilities over the causal keys, before any selection `[B, S, T]`, gradient stopped;
+  the index scores `[B, S, T]`, -inf past the causal keys): what the indexer is distilled
+  from. With taps the indexer's inputs carry no gradient, so it learns from that loss only.
+  Inside a jit the collected values are traced: the caller returns them."""
+  select: bool = True
+  index: list = dataclasses.field(default_factory=list)
+
+
 # --- one attention block -----------------------------------------------------------------------
 
 def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None = None,
               pages=None, start=None, selection=None, absorbed: bool = False,
-              impl: str = "sparse"):
+              impl: str = "sparse", taps: Taps | None = None):
   """One MLA attention block.
 
   Args:
@@ -281,10 +325,13 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     absorbed: the absorbed (latent-space) form where attention is dense (the sparse and blocked
       paths are always absorbed).
     impl: "sparse" (DSA attends to the selected keys only) or "dense" (the masked reference).
+    taps: training's requests (`Taps`; with `impl="dense"` only).
 
   Returns:
     (out `[B, S, D]`, new layer cache, selection `[B, S, K]` or None where attention is dense).
   """
+  if taps is not None and impl != "dense":
+    raise InputError(f"attention taps need impl='dense' (the masked reference), got {impl!r}")
   b, s, _ = x.shape
   h, n, r, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                 cfg.kv_lora_rank)
@@ -297,12 +344,14 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     q = linear(q_lat, w.q_b).reshape(b, s, h, n + r)
     q_nope = q[..., :n]  # [B, S, H, N]
     q_rope = rope_interleaved(q[..., n:], cos[:, :, None], sin[:, :, None])  # [B, S, H, R]
+  # The indexer's inputs: under training's taps they carry no gradient (see `Taps`).
+  ix_x, ix_q = (x, q_lat) if taps is None else jax.lax.stop_gradient((x, q_lat))
 
   with jax.named_scope("kv_proj"):
     kv = linear(x, w.kv_a)  # [B, S, C+R]
     latent = rms_norm(kv[..., :c], w.kv_a_norm, LATENT_NORM_EPS)  # [B, S, C]
     k_rope = rope_interleaved(kv[..., c:], cos, sin)  # [B, S, R]
-    index_k = indexer_keys(w.indexer, x, cfg, cos, sin) if w.indexer is not None else None
+    index_k = indexer_keys(w.indexer, ix_x, cfg, cos, sin) if w.indexer is not None else None
 
   if cache is None:  # the fresh tokens are the keys: slot t is token t
     page = min(FRESH_PAGE, s)
@@ -340,14 +389,20 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
       out = jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
     else:
       slots = jnp.arange(view.slots, dtype=jnp.int32)
-      mask = slots[None, None, :] <= q_slots[:, :, None]  # [B|1, S, T]
-      if w.indexer is not None and view.slots > cfg.index_topk:
+      visible = slots[None, None, :] <= q_slots[:, :, None]  # [B|1, S, T]
+      select = (w.indexer is not None and view.slots > cfg.index_topk
+                and (taps is None or taps.select))
+      if w.indexer is not None and (select or taps is not None):
         with jax.named_scope("indexer"):
-          q_idx, w_idx = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
-          selection = select_dense(q_idx, w_idx, view.dense("index_k"), mask, cfg.index_topk)
-      elif w.indexer is not None:
+          q_idx, w_idx = indexer_queries(w.indexer, ix_x, ix_q, cfg, cos, sin)
+          index_score = visible_scores(q_idx, w_idx, view.dense("index_k"), visible)
+          if select:
+            selection = top_visible(index_score, cfg.index_topk)
+      if w.indexer is not None and not select:
         selection = None  # a query that sees no more than K keys keeps them all
-      if selection is not None:
-        mask = mask & selection_mask(selection, view.slots)
-      out = dense_attend(view, q_nope, q_rope, mask, w_uk, w_uv, cfg.attn_scale, absorbed)
+      mask = visible if selection is None else visible & selection_mask(selection, view.slots)
+      score, latent = dense_scores(view, q_nope, q_rope, w_uk, cfg.attn_scale, absorbed)
+      if taps is not None and w.indexer is not None:
+        taps.index.append((head_mean_probs(score, visible), index_score))
+      out = dense_output(score, mask, latent, w_uv, absorbed)
   return linear(out.reshape(b, s, h * cfg.v_head_dim), w.o), cache, selection

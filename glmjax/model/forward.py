@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from glmjax.model.attention import attention
+from glmjax.model.attention import Taps, attention
 from glmjax.model.config import Config
 from glmjax.model.kvcache import KVCache, LayerCache, init_cache  # noqa: F401 (re-exported)
 from glmjax.model.layers import F32, linear, rms_norm, swiglu
@@ -39,11 +39,11 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
                resident=None, cache_route=None, expert_cap=None, n_valid=None, pages=None,
-               impl: str = "sparse"):
+               impl: str = "sparse", taps: Taps | None = None):
   """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
   (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP. `cache` is
   this layer's pool, addressed through `pages` (glmjax.model.kvcache); `impl` the attention's
-  ("sparse", or the masked "dense" reference).
+  ("sparse", or the masked "dense" reference); `taps` training's requests of it (`Taps`).
 
   Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
   flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
@@ -58,7 +58,7 @@ def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: 
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     a, cache, selection = attention(lw.attn, h, positions, cfg, cache, pages, start, selection,
-                                    absorbed, impl)
+                                    absorbed, impl, taps)
     x = x + a
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
@@ -269,16 +269,18 @@ class Chunk:
 
 def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache, pages, absorbed,
            experts: ExpertProvider, steps: Steps, route_args, expert_cap=None,
-           impl: str = "sparse"):
+           impl: str = "sparse", taps: Taps | None = None):
   """One decoder layer through `steps` for every chunk in order, its routed experts from
   `experts` (given all the chunks' routing at once). Returns the layer's cache."""
   resident, cache_route = route_args(i) if route_args is not None else (None, None)
   routed, weights = [], []
   for c in chunks:
-    cap = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": c.n_valid}
+    extra = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": c.n_valid}
+    if taps is not None:  # PURE steps only: a jitted step would drop what taps collect
+      extra["taps"] = taps
     c.x, flat, ids, w, cache, c.selection, stats = steps.attn_route(
         lw, c.x, c.start, cfg=cfg, cache=cache, selection=c.selection, absorbed=absorbed,
-        resident=resident, cache_route=cache_route, pages=pages, impl=impl, **cap)
+        resident=resident, cache_route=cache_route, pages=pages, impl=impl, **extra)
     routed.append(Routed(c.x, flat, ids, c.n_valid, stats))
     weights.append(w)
   if routed[0].ids is not None:
@@ -302,7 +304,8 @@ def valid_rows(shape, n_valid, xp=np):
 
 def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None = None,
            absorbed=False, experts: ExpertProvider | None = None, steps: Steps = PURE,
-           route_args=None, expert_cap: int | None = None, impl: str = "sparse"):
+           route_args=None, expert_cap: int | None = None, impl: str = "sparse",
+           taps: Taps | None = None):
   """The decoder layers over `chunks` (updated in place to the final pre-norm hidden states),
   layer-major: every chunk through layer L, then layer L + 1. Returns the new cache's layers."""
   experts = experts or resident_experts()
@@ -311,14 +314,14 @@ def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None =
     lc = None if cache is None else cache.layers[i]
     pages = None if cache is None else cache.pages
     new_layers.append(_layer(i, lw, chunks, cfg, lc, pages, absorbed, experts, steps,
-                             route_args, expert_cap, impl))
+                             route_args, expert_cap, impl, taps))
   return new_layers
 
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
             route_args=None, expert_cap: int | None = None, start=0, impl: str = "sparse",
-            logits_at=None):
+            logits_at=None, taps: Taps | None = None):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
@@ -329,11 +332,16 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   constant start XLA specialises the softmax on the constant causal mask and its bits differ
   from the engine's layer steps, whose start is always a run-time value. With `logits_at`
   (an int32 position index) the head runs at that position only: logits `[B, 1, V]`.
+
+  Training differentiates this same pass (glmjax.train): `impl="dense"`, its own expert
+  provider (which also keeps the router loads), and `taps` (`glmjax.model.attention.Taps`),
+  which collect what only training needs (the indexer's distillation target) and can turn
+  the DSA selection off; without taps nothing of it is computed.
   """
   start = start if cache is None else cache.length
   chunk = Chunk(steps.embed(w, tokens), start, n_valid)  # [B, S, D]
   new_layers = layers(w, [chunk], cfg, cache, absorbed, experts, steps, route_args, expert_cap,
-                      impl)
+                      impl, taps)
   new_cache = None if cache is None else KVCache(new_layers, cache.pages, cache.length)
   x = chunk.x
   head = x if logits_at is None else jax.lax.dynamic_slice_in_dim(x, logits_at, 1, axis=1)

@@ -15,8 +15,6 @@ the offload engine.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -44,30 +42,21 @@ def mtp_output_logits(w: Weights, m: MTP, x, cfg: Config):
   return linear(rms_norm(x, m.head_norm, cfg.rms_norm_eps), _head(w, m))
 
 
-def mtp_logits(w: Weights, h, next_tokens, cfg: Config, positions=None, block: Callable | None = None,
-               depth: int = 0):
-  """Teacher-forced MTP logits (no cache).
+def mtp_logits(w: Weights, h, next_tokens, cfg: Config, depth: int = 0):
+  """Teacher-forced MTP logits (no cache) through glmjax.model.forward.mtp_forward, the one MTP
+  step (training differentiates the same step, with its own options).
 
   Args:
     w: the model weights (uses `w.mtp[depth]`, `w.embed`, and the main head when needed).
     h: `[B, S, D]` the main model's final pre-norm hidden states (`forward(...)[1]`).
     next_tokens: `[B, S]` int, t_{i+1} for each position i.
-    positions: `[S]` positions of the MTP sequence (default 0..S-1); only with `block`.
-    block: `block(layer, u, positions) -> h'`, a training variant of the decoder block; by
-      default the MTP step is glmjax.model.forward.mtp_forward (the one inference path).
 
   Returns:
     (logits `[B, S, V]` predicting t_{i+2}, the MTP block's output residual `[B, S, D]`).
   """
-  if block is None:
-    from glmjax.model.forward import mtp_forward
-    logits, x, _ = mtp_forward(w, h, next_tokens, cfg, depth=depth)
-    return logits, x
-  m = w.mtp[depth]
-  if positions is None:
-    positions = jnp.arange(h.shape[1], dtype=jnp.int32)
-  x = block(m.layer, mtp_input(w, m, h, next_tokens, cfg), positions)
-  return mtp_output_logits(w, m, x, cfg), x
+  from glmjax.model.forward import mtp_forward
+  logits, x, _ = mtp_forward(w, h, next_tokens, cfg, depth=depth)
+  return logits, x
 
 
 def init_mtp_cache(cfg: Config, batch: int, capacity: int, dtype=jnp.float32,
