@@ -33,11 +33,12 @@ def pytest_configure(config):
 # their decode (matvec) and grouped variants.
 _WARM_KERNELS = """
 import numpy as np
+from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
 from pallas_kernels import cpu
 rng = np.random.default_rng(0)
 for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):
-  pool = quant.stack_experts([quant.quantize_expert(
+  pool = quant.stack_experts([quantize_expert(
       rng.standard_normal((i, d)), rng.standard_normal((i, d)), rng.standard_normal((d, i)),
       bits, group) for _ in range(2)])
   arrs = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
