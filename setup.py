@@ -11,9 +11,11 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["glmjax", "glmjax.*", "pallas_kernels", "pallas_kernels.*"]),
     include_package_data=True,
-    package_data={"glmjax": ["embedded_model/*"]},
+    package_data={"glmjax": ["embedded_model/*", "replay/*.json"]},
     install_requires=[
-        "jax>=0.10",
+        # Capped at the newest release tested: pallas_kernels/cpu_ffi.py reads XLA's FFI call frame
+        # at word offsets checked against jaxlib 0.10.2 (it self-tests and falls back if they move).
+        "jax>=0.10,<=0.10.2",
         "numpy>=1.26",
         "ml_dtypes>=0.5",
         "safetensors>=0.4",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -36,12 +35,10 @@ from absl import app, flags  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 
-from glmjax.model import quant  # noqa: E402
+from glmjax import kernel_bench  # noqa: E402
 from glmjax.reporting import write_report  # noqa: E402
 from pallas_kernels import cpu, xla  # noqa: E402
 
@@ -64,116 +61,14 @@ flags.DEFINE_float("wait_idle_s", 120.0,
                    "Before each measurement wait up to this long for other processes to leave "
                    "the CPUs idle (the machine may be shared); 0 disables.")
 
-_HP = jax.lax.Precision.HIGHEST
-
 
 def _log(msg: str) -> None:
   print(f"[bench_experts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _wait_idle() -> dict:
-  """Waits (up to --wait_idle_s) for system CPU use below 20%; returns what it saw."""
-  t0, busy = time.perf_counter(), None
-  while FLAGS.wait_idle_s > 0 and time.perf_counter() - t0 < FLAGS.wait_idle_s:
-    busy = psutil.cpu_percent(interval=0.5)
-    if busy < 20.0:
-      break
-  return dict(cpu_busy_percent_before=busy, waited_s=round(time.perf_counter() - t0, 1),
-              loadavg_1m=os.getloadavg()[0])
-
-
 def _time(fn, repeats: int, warmup: int = 1) -> dict:
-  """Median/min wall seconds of `repeats` calls to fn(i) after `warmup` untimed calls."""
-  for i in range(warmup):
-    jax.block_until_ready(fn(i))
-  idle = _wait_idle()
-  ts = []
-  for i in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(warmup + i))
-    ts.append(time.perf_counter() - t0)
-  return dict(median_s=statistics.median(ts), min_s=min(ts), repeats=repeats, **idle)
-
-
-def _random_pool(rng, s, d, i, g):
-  """Random int4 pool: numpy packed bytes and bf16 scales sized so activations stay O(1)."""
-
-  def q(o, k):
-    ng = -(-k // g)
-    packed = rng.integers(0, 256, (s, o, ng * g // 2), dtype=np.uint8)
-    mag = 1.0 / (np.sqrt(k) * 4)
-    scales = (rng.uniform(0.5, 1.5, (s, o, ng)) * mag).astype(ml_dtypes.bfloat16)
-    return packed, scales
-
-  return q(2 * i, d), q(d, i)
-
-
-# A streaming read with the kernel's own 16-lane vector ops (4 independent accumulators):
-# the roof for a numba kernel that reads its weights once.
-# pylint: disable-next=protected-access
-_vld, _vadd, _vzero, _vhsum = cpu._vld, cpu._vadd, cpu._vzero, cpu._vhsum
-
-
-@numba.njit
-def _stream_part(a, lo, hi):
-  s0 = _vzero()
-  s1 = _vzero()
-  s2 = _vzero()
-  s3 = _vzero()
-  for j in range(lo, hi, 64):
-    s0 = _vadd(s0, _vld(a, j))
-    s1 = _vadd(s1, _vld(a, j + 16))
-    s2 = _vadd(s2, _vld(a, j + 32))
-    s3 = _vadd(s3, _vld(a, j + 48))
-  return _vhsum(_vadd(_vadd(s0, s1), _vadd(s2, s3)))
-
-
-@numba.njit(parallel=True)
-def _numba_sum(a):
-  parts = 64
-  m = a.shape[0] // parts // 64 * 64
-  acc = np.zeros(parts, np.float64)
-  for p in numba.prange(parts):
-    acc[p] = _stream_part(a, np.int64(p) * m, (np.int64(p) + 1) * m)
-  return acc.sum()
-
-
-def _dram(report, repeats):
-  n = int(FLAGS.dram_gib * 2**30) // 4
-  _log(f"dram: {n * 4 / 2**30:.2f} GiB float32")
-  a = np.random.default_rng(1).random(n, dtype=np.float32)
-  aj = jnp.asarray(a)
-  jsum = jax.jit(jnp.sum)
-  out = {}
-  for name, fn in (("jax_jit_sum", lambda i: jsum(aj)), ("numpy_sum", lambda i: a.sum()),
-                   ("numba_vector_stream", lambda i: _numba_sum(a))):
-    t = _time(fn, repeats)
-    t["gb_per_s"] = a.nbytes / t["median_s"] / 1e9
-    out[name] = t
-    _log(f"  {name}: {t['gb_per_s']:.1f} GB/s")
-  report["dram_read"] = dict(bytes=a.nbytes, **out)
-  del a, aj
-
-
-def _one_slot_pools(gu, dn, d, i, g):
-  """One jax 1-slot ExpertPool per expert (rotated so every call reads fresh weights)."""
-  pools = []
-  for e in range(gu[0].shape[0]):
-    pools.append(quant.ExpertPool(
-        gate_up=quant.QArray(jnp.asarray(gu[0][e:e + 1]), jnp.asarray(gu[1][e:e + 1]), 4, g, d),
-        down=quant.QArray(jnp.asarray(dn[0][e:e + 1]), jnp.asarray(dn[1][e:e + 1]), 4, g, i)))
-  return pools
-
-
-def _deq_einsum_terms(x, pool, slot_ids):
-  """Dequantize every pool expert once, run all of them densely, pick the routed terms."""
-  gu = quant.dequantize(pool.gate_up)  # [S, 2I, D]
-  dn = quant.dequantize(pool.down)  # [S, D, I]
-  inter = pool.intermediate
-  h = jnp.einsum("td,sfd->tsf", x, gu, precision=_HP)
-  a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
-  y = jnp.einsum("tsi,sdi->tsd", a, dn, precision=_HP)  # [T, S, D]
-  return jnp.take_along_axis(y, slot_ids[..., None].astype(jnp.int32), axis=1)
+  """kernel_bench.time_calls, waiting for an idle machine up to --wait_idle_s."""
+  return kernel_bench.time_calls(fn, repeats, warmup, FLAGS.wait_idle_s)
 
 
 def _decode(report, gu, dn, d, i, g, repeats):
@@ -192,10 +87,10 @@ def _decode(report, gu, dn, d, i, g, repeats):
   out["numba_expert_ffn"] = t
   _log(f"decode numba expert_ffn: {t['median_s'] * 1e3:.2f} ms")
 
-  pools = _one_slot_pools(gu, dn, d, i, g)
+  pools = [kernel_bench.int4_expert_pool(gu, dn, g, d, i, e, e + 1) for e in range(s)]
   ids = jnp.zeros((1, 1), jnp.int32)
   per_pair = jax.jit(xla.expert_terms)
-  deq = jax.jit(_deq_einsum_terms)
+  deq = jax.jit(kernel_bench.dequant_einsum_terms)
   y_ref = np.asarray(deq(xj, pools[0], ids))[0, 0]
   out["numba_vs_xla_max_rel_err"] = float(
       np.abs(y_numba[0] - y_ref).max() / np.abs(y_ref).max())
@@ -216,24 +111,16 @@ def _decode(report, gu, dn, d, i, g, repeats):
   del pools
 
 
-def _routing(rng, t, s, k):
-  return np.argsort(rng.random((t, s)), axis=1)[:, :k].astype(np.int32)
-
-
 def _grouped_problems(s, d, k):
   """(T, x [T, D], top-k ids [T, K]) for each --tokens T; the same for every backend."""
   rng = np.random.default_rng(3)
   for t_count in (int(v) for v in FLAGS.tokens):
     x = rng.standard_normal((t_count, d)).astype(np.float32)
-    yield t_count, x, _routing(rng, t_count, s, k)
-
-
-def _flops_per_pair(d, i):
-  return 2 * (2 * i * d + d * i)  # gate_up [2I, D] and down [D, I] matvecs
+    yield t_count, x, kernel_bench.random_routing(rng, t_count, s, k)
 
 
 def _grouped(report, gu, dn, d, i, g, k, repeats):
-  flops_per_pair = _flops_per_pair(d, i)
+  flops_per_pair = kernel_bench.flops_per_pair(d, i)
   rows = []
   for t_count, x, ids in _grouped_problems(gu[0].shape[0], d, k):
     fn = lambda _, x=x, ids=ids: cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i)
@@ -251,17 +138,15 @@ def _score_128(report, gu, dn, d, i, g, k, repeats):
   t_count = 128
   rng = np.random.default_rng(4)
   x = rng.standard_normal((t_count, d)).astype(np.float32)
-  ids = _routing(rng, t_count, gu[0].shape[0], k)
+  ids = kernel_bench.random_routing(rng, t_count, gu[0].shape[0], k)
   out = dict(tokens=t_count, top_k=k, experts=int(gu[0].shape[0]))
   y_numba = cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i)
   out["numba_pool_terms"] = _time(lambda _: cpu.pool_terms(x, *gu, *dn, ids, None, 4, g, d, i),
                                   repeats, warmup=0)
   _log(f"score_128 numba: {out['numba_pool_terms']['median_s']:.3f} s")
-  pool = quant.ExpertPool(
-      gate_up=quant.QArray(jnp.asarray(gu[0]), jnp.asarray(gu[1]), 4, g, d),
-      down=quant.QArray(jnp.asarray(dn[0]), jnp.asarray(dn[1]), 4, g, i))
+  pool = kernel_bench.int4_expert_pool(gu, dn, g, d, i)
   xj, idj = jnp.asarray(x), jnp.asarray(ids)
-  deq = jax.jit(_deq_einsum_terms)
+  deq = jax.jit(kernel_bench.dequant_einsum_terms)
   y_deq = np.asarray(deq(xj, pool, idj))
   out["numba_vs_xla_max_rel_err"] = float(np.abs(y_numba - y_deq).max() / np.abs(y_deq).max())
   out["xla_dequant_once_einsum"] = _time(lambda _: deq(xj, pool, idj), max(1, min(repeats, 3)),
@@ -290,9 +175,7 @@ def _pallas_rows(report, gu, dn, d, i, g, k, repeats, interpret):
   s = gu[0].shape[0]
   dev = jax.devices()[0]
   bw = common.hbm_bandwidth(dev)
-  pool = quant.ExpertPool(
-      gate_up=quant.QArray(jnp.asarray(gu[0]), jnp.asarray(gu[1]), 4, g, d),
-      down=quant.QArray(jnp.asarray(dn[0]), jnp.asarray(dn[1]), 4, g, i))
+  pool = kernel_bench.int4_expert_pool(gu, dn, g, d, i)
   moe = jax.jit(lambda x, p, ids, w: ops.grouped_moe(x, p, ids, w, backend="pallas",
                                                      interpret=interpret))
   call = lambda x, ids, w: moe(x, pool, ids, w)  # the pool is an operand, not a constant
@@ -312,7 +195,7 @@ def _pallas_rows(report, gu, dn, d, i, g, k, repeats, interpret):
   out["decode"] = t
   _log(f"pallas decode: {t['median_s'] * 1e3:.3f} ms, {t['gb_per_s']:.1f} GB/s")
 
-  flops_per_pair = _flops_per_pair(d, i)
+  flops_per_pair = kernel_bench.flops_per_pair(d, i)
   rows = []
   for t_count, x, ids in _grouped_problems(s, d, k):
     xj, idj, wj = jnp.asarray(x), jnp.asarray(ids), jnp.ones(ids.shape, jnp.float32)
@@ -344,10 +227,11 @@ def main(argv):
                    avx512_int4_decode=bool(cpu._AVX512)),  # pylint: disable=protected-access
       shapes=dict(D=d, I=i, group_size=g, bits=4, experts=s, top_k=k),
       repeats=repeats)
-  _dram(report, repeats)
+  report["dram_read"] = kernel_bench.dram_read(FLAGS.dram_gib, lambda fn: _time(fn, repeats),
+                                                _log)
   _log(f"building {s} random int4 experts at D={d}, I={i}, G={g}")
   rng = np.random.default_rng(FLAGS.seed)
-  gu, dn = _random_pool(rng, s, d, i, g)
+  gu, dn = kernel_bench.random_int4_pool(rng, s, d, i, g)
   report["pool_bytes"] = int(sum(a.nbytes for a in (*gu, *dn)))
   _decode(report, gu, dn, d, i, g, repeats)
   _grouped(report, gu, dn, d, i, g, k, repeats)

@@ -33,11 +33,12 @@ def pytest_configure(config):
 # their decode (matvec) and grouped variants.
 _WARM_KERNELS = """
 import numpy as np
+from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
 from pallas_kernels import cpu
 rng = np.random.default_rng(0)
 for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):
-  pool = quant.stack_experts([quant.quantize_expert(
+  pool = quant.stack_experts([quantize_expert(
       rng.standard_normal((i, d)), rng.standard_normal((i, d)), rng.standard_normal((d, i)),
       bits, group) for _ in range(2)])
   arrs = (pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales)
@@ -46,7 +47,10 @@ for bits, group, d, i in ((4, 64, 199, 96), (8, 32, 101, 72)):
     x = rng.standard_normal((t, d)).astype(np.float32)
     cpu.expert_ffn(x, *(a[0] for a in arrs), **kw)
     cpu.pool_terms(x, *arrs, np.zeros((t, 2), np.int64), None, **kw)
-from pallas_kernels import cpu_ffi  # the custom call's handler: it reuses what compiled above
+from pallas_kernels import cpu_ffi
+# Builds the custom call's handler (it reuses what compiled above) through its first-use check;
+# whether the check passes is tests/test_cpu_ffi.py's business.
+cpu_ffi.self_test()
 """
 
 

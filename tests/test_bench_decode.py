@@ -94,3 +94,20 @@ def test_check_gpu_picks_the_fastest_finite_pallas_tiling():
   best = check_gpu.tuning_candidates(bench)
   assert best["1"]["config"] == {"b": 2} and best["2"]["config"] == {"b": 4}
   assert set(best) == {"1", "2"}
+
+
+def test_disk_bandwidth_in_decode_step_batches(embedded_store):
+  """The cost model's use of the one disk probe: top_k chunks at a time, several passes, the
+  median batch's rate; every chunk read once per pass."""
+  geo = store_geometry(embedded_store)
+  n = geo["moe_layers"] * geo["experts"]
+  batch = 3
+  batches = -(-n // batch)
+  clock = iter(float(i) for i in range(4 * batches))  # every batch takes 1 s
+  r = disk_read_gbs(embedded_store, workers=2, batch=batch, passes=2,
+                    clock=lambda: next(clock))
+  assert (r["batches"], r["chunks"], r["passes"]) == (2 * batches, n, 2)
+  assert r["bytes"] == 2 * geo["expert_bytes_total"] and r["seconds"] == 2 * batches
+  assert r["median_batch_s"] == 1.0
+  assert r["disk_gbs"] == pytest.approx(min(batch, n) * geo["chunk_bytes"] / 1e9)
+  assert r["per_chunk_us"] == pytest.approx(1e6 / batch)

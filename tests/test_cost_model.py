@@ -114,3 +114,22 @@ def test_calibrate_recovers_a_known_per_miss_cost():
 def test_bad_input(make, name):
   with pytest.raises(InputError, match=name.replace("[", r"\[").replace("]", r"\]")):
     make()
+
+
+def test_published_figures_carry_their_sources():
+  """Every figure of the GLM-5.2 prediction comes from the package's data file with a source
+  that names a public document, not a path outside the repository."""
+  from glmjax.replay.glm52 import glm52_prediction, published_figures
+  figures = published_figures()
+  assert {"moe_layers", "experts", "top_k", "expert_bytes", "disk_gbs", "measured_tok_s",
+          "cross_row"} <= set(figures)
+  for name, f in figures.items():
+    assert set(f) == {"value", "source", "kind"}, name
+    assert f["source"].strip() and "../" not in f["source"] and ".md §" not in f["source"], name
+  r = glm52_prediction()
+  assert r["measured_tok_s"] == figures["measured_tok_s"]["value"]
+  assert all(a["source"] and "../" not in a["source"] for a in r["assumptions"])
+  assert 0 < r["prediction"]["tok_s"] and math.isfinite(r["prediction"]["tok_s"])
+  # Changing a figure in the data changes the prediction: the numbers are read, not copied.
+  slower = {**figures, "disk_gbs": {**figures["disk_gbs"], "value": 1.0}}
+  assert glm52_prediction(slower)["prediction"]["tok_s"] < r["prediction"]["tok_s"]

@@ -13,6 +13,7 @@ import numba
 import numpy as np
 import pytest
 
+from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
 from pallas_kernels import cpu
 
@@ -32,9 +33,9 @@ IDS = [f"int{b}-G{g}-D{d}-I{i}" for b, g, d, i in CASES]
 def _pool(bits, group, hidden, inter, slots, seed):
   rng = np.random.default_rng(seed)
   experts = [
-      quant.quantize_expert(rng.standard_normal((inter, hidden)),
-                            rng.standard_normal((inter, hidden)),
-                            rng.standard_normal((hidden, inter)) / np.sqrt(inter), bits, group)
+      quantize_expert(rng.standard_normal((inter, hidden)),
+                      rng.standard_normal((inter, hidden)),
+                      rng.standard_normal((hidden, inter)) / np.sqrt(inter), bits, group)
       for _ in range(slots)
   ]
   return quant.stack_experts(experts)

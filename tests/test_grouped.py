@@ -377,12 +377,13 @@ def test_drain_waits_for_every_read_and_its_accounting():
 def test_xla_custom_call_is_bitwise_the_cpu_kernel(bits, group):
   """The in-jit custom call (zero-copy operands) gives pool_terms' bits, inactive pairs 0."""
   import jax
+  from glmjax.formats.quantize import quantize_expert
   from glmjax.model import quant
   from pallas_kernels import cpu, cpu_ffi
   rng = np.random.default_rng(bits + group)
   d, inter, s, t, k = 100, 72, 5, 7, 3
-  experts = [quant.quantize_expert(rng.standard_normal((inter, d)), rng.standard_normal((inter, d)),
-                                   rng.standard_normal((d, inter)), bits, group) for _ in range(s)]
+  experts = [quantize_expert(rng.standard_normal((inter, d)), rng.standard_normal((inter, d)),
+                             rng.standard_normal((d, inter)), bits, group) for _ in range(s)]
   pool = quant.stack_experts(experts)
   gu, dn = pool.gate_up, pool.down
   x = rng.standard_normal((t, d)).astype(np.float32)

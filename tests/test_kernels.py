@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
 import pallas_kernels
 from pallas_kernels import backend, common, ops, xla, tuning
@@ -72,7 +73,7 @@ def _make_problem(seed, rows, k, slots, d, i, group, bits, unused=2):
   for _ in range(slots):
     gate, up = rng.standard_normal((2, i, d)) / np.sqrt(d)
     down = rng.standard_normal((d, i)) / np.sqrt(i)
-    experts.append(quant.quantize_expert(gate, up, down, bits, group))
+    experts.append(quantize_expert(gate, up, down, bits, group))
   pool = quant.stack_experts(experts)
   used = slots - unused
   ids = np.stack([rng.choice(used, size=k, replace=k > used)

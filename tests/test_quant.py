@@ -1,4 +1,5 @@
-"""Tests for glmjax.model.quant: quantization error, packing layout, FP8 blocks."""
+"""Tests for glmjax.model.quant (the format) and glmjax.formats.quantize (the quantizer):
+quantization error, packing layout, FP8 blocks."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from glmjax.formats.quantize import (fp8_block_dequantize, pack_int4, quantize, quantize_expert,
+                                     quantize_into)
 from glmjax.model import quant
 
 QMAX = {4: 7, 8: 127}
@@ -23,7 +26,7 @@ def _scaled_random(rng, shape):
 def test_error_within_half_step(bits, group, shape):
   rng = np.random.default_rng(bits * 1000 + group)
   w = _scaled_random(rng, shape)
-  q = quant.quantize(w, bits=bits, group_size=group)
+  q = quantize(w, bits=bits, group_size=group)
   q.check()
   deq = np.asarray(quant.dequantize(q)).astype(np.float64)
   assert deq.shape == w.shape
@@ -40,7 +43,7 @@ def test_error_within_half_step(bits, group, shape):
 def test_int4_packed_layout_exact_bytes():
   # One group of G=4: byte j holds q[j] (low) and q[j + 2] (high), +8 offset.
   q = np.array([[-8, 7, 0, -1]])
-  packed = quant.pack_int4(q, group_size=4)
+  packed = pack_int4(q, group_size=4)
   assert packed.dtype == np.uint8
   np.testing.assert_array_equal(packed, [[(0 | (8 << 4)), (15 | (7 << 4))]])
 
@@ -49,12 +52,12 @@ def test_int4_packed_layout_exact_bytes():
 def test_pack_unpack_round_trip(group):
   rng = np.random.default_rng(group)
   q = rng.integers(-8, 8, size=(3, 5, 4 * group)).astype(np.int8)
-  packed = quant.pack_int4(q, group)
+  packed = pack_int4(q, group)
   assert packed.shape == (3, 5, 2 * group)
   np.testing.assert_array_equal(np.asarray(quant.unpack_int4(packed, group)), q)
   # Every byte pattern is a valid encoding: bytes -> ints -> bytes is exact.
   raw = rng.integers(0, 256, size=(7, 2 * group)).astype(np.uint8)
-  back = quant.pack_int4(np.asarray(quant.unpack_int4(raw, group)), group)
+  back = pack_int4(np.asarray(quant.unpack_int4(raw, group)), group)
   np.testing.assert_array_equal(back, raw)
 
 
@@ -67,7 +70,7 @@ def test_representable_values_are_exact(bits):
   ints[:, ::g] = qmax  # amax of every group is exactly qmax * s
   s = rng.uniform(0.01, 2.0, size=(o, k // g)).astype(ml_dtypes.bfloat16)
   w = ints * np.repeat(s.astype(np.float64), g, axis=1)
-  q = quant.quantize(w, bits=bits, group_size=g)
+  q = quantize(w, bits=bits, group_size=g)
   np.testing.assert_array_equal(np.asarray(q.scales), s)
   np.testing.assert_array_equal(np.asarray(quant.dequantize(q), np.float64), w)
 
@@ -75,7 +78,7 @@ def test_representable_values_are_exact(bits):
 def test_non_divisible_in_features():
   rng = np.random.default_rng(3)
   w = _scaled_random(rng, (10, 100))
-  q = quant.quantize(w, bits=4, group_size=64)
+  q = quantize(w, bits=4, group_size=64)
   assert q.packed.shape == (10, 64) and q.scales.shape == (10, 2)
   assert q.in_features == 100 and q.padded_in_features == 128
   assert q.shape == (10, 100)
@@ -90,7 +93,7 @@ def test_non_divisible_in_features():
 def test_int8_layout():
   rng = np.random.default_rng(4)
   w = _scaled_random(rng, (6, 96))
-  q = quant.quantize(w, bits=8, group_size=32)
+  q = quantize(w, bits=8, group_size=32)
   assert q.packed.dtype == np.int8 and q.packed.shape == (6, 96)
   assert q.scales.dtype == jnp.bfloat16 and q.scales.shape == (6, 3)
   assert np.abs(q.packed).max() == 127  # the amax element hits qmax
@@ -103,7 +106,7 @@ def test_all_zero_group():
   w[1, 64:] = 0.0  # one zero group
   w[2] = 0.0  # a zero row
   with np.errstate(all="raise"):  # no division by zero anywhere
-    q = quant.quantize(w, bits=4, group_size=64)
+    q = quantize(w, bits=4, group_size=64)
   scales = np.asarray(q.scales, np.float32)
   assert scales[1, 1] == 0 and np.all(scales[2] == 0) and np.all(scales[0] > 0)
   ints = np.asarray(quant.unpack_int4(q.packed, 64))
@@ -133,27 +136,27 @@ def test_fp8_block_dequantize(shape, block):
   w8 = (rng.standard_normal(shape) * 50).astype(ml_dtypes.float8_e4m3fn)
   sshape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
   scale_inv = rng.uniform(1e-4, 1e-2, sshape).astype(np.float32)
-  out = quant.fp8_block_dequantize(w8, scale_inv, block_size=block)
+  out = fp8_block_dequantize(w8, scale_inv, block_size=block)
   assert out.dtype == np.float32 and out.shape == shape
   ref = _fp8_loop_reference(w8, scale_inv, *block)
   # fp8 (4 significant bits) x f32 scale (24 bits) is exact in float64, so
   # float32 product rounds once, exactly like casting the reference: no slack.
   np.testing.assert_array_equal(out, ref.astype(np.float32))
-  out_j = quant.fp8_block_dequantize(jnp.asarray(w8), jnp.asarray(scale_inv),
-                                     block_size=block)
+  out_j = fp8_block_dequantize(jnp.asarray(w8), jnp.asarray(scale_inv),
+                               block_size=block)
   np.testing.assert_array_equal(np.asarray(out_j), out)
 
 
 def test_fp8_scale_shape_checked():
   w8 = np.zeros((200, 300), ml_dtypes.float8_e4m3fn)
   with pytest.raises(ValueError, match="scale_inv"):
-    quant.fp8_block_dequantize(w8, np.ones((1, 2), np.float32))
+    fp8_block_dequantize(w8, np.ones((1, 2), np.float32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qarray_shapes_match_quantize(bits):
   w = np.random.default_rng(0).standard_normal((2, 24, 100)).astype(np.float32)
-  q = quant.quantize(w, bits=bits, group_size=32)
+  q = quantize(w, bits=bits, group_size=32)
   abstract = quant.qarray_shapes(24, 100, bits, 32, lead=(2,))
   for leaf, spec in zip(jax.tree.leaves(q), jax.tree.leaves(abstract)):
     assert leaf.shape == spec.shape and leaf.dtype == spec.dtype
@@ -163,7 +166,7 @@ def test_qarray_shapes_match_quantize(bits):
 
 def test_pytree_and_jit():
   w = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
-  q = quant.quantize(w, bits=4, group_size=32)
+  q = quantize(w, bits=4, group_size=32)
   leaves, tree = jax.tree.flatten(q)
   assert len(leaves) == 2
   q2 = jax.tree.unflatten(tree, leaves)
@@ -179,7 +182,7 @@ def test_expert_layout_and_stack():
   for _ in range(3):
     gate, up = rng.standard_normal((2, i, d))
     down = rng.standard_normal((d, i))
-    experts.append(quant.quantize_expert(gate, up, down, bits=4, group_size=32))
+    experts.append(quantize_expert(gate, up, down, bits=4, group_size=32))
   e0 = experts[0]
   assert e0.gate_up.shape == (2 * i, d) and e0.down.shape == (d, i)
   pool = quant.stack_experts(experts)
@@ -189,9 +192,9 @@ def test_expert_layout_and_stack():
   np.testing.assert_array_equal(
       np.asarray(quant.dequantize(pool.gate_up))[1, i:],
       np.asarray(quant.dequantize(experts[1].gate_up))[i:])
-  bad = quant.quantize_expert(*rng.standard_normal((2, i, d)),
-                              rng.standard_normal((d, i)), bits=4,
-                              group_size=16)
+  bad = quantize_expert(*rng.standard_normal((2, i, d)),
+                        rng.standard_normal((d, i)), bits=4,
+                        group_size=16)
   with pytest.raises(ValueError, match="experts"):
     quant.stack_experts([e0, bad])
 
@@ -199,14 +202,14 @@ def test_expert_layout_and_stack():
 def test_bad_arguments():
   w = np.ones((4, 64), np.float32)
   with pytest.raises(ValueError, match="bits"):
-    quant.quantize(w, bits=3)
+    quantize(w, bits=3)
   with pytest.raises(ValueError, match="group_size"):
-    quant.quantize(w, bits=4, group_size=5)
+    quantize(w, bits=4, group_size=5)
   with pytest.raises(ValueError, match="w:"):
-    quant.quantize(np.ones(8), bits=4)
+    quantize(np.ones(8), bits=4)
   with pytest.raises(ValueError, match="down"):
-    quant.quantize_expert(np.ones((8, 16)), np.ones((8, 16)), np.ones((8, 16)))
-  q = quant.quantize(w, bits=4, group_size=32)
+    quantize_expert(np.ones((8, 16)), np.ones((8, 16)), np.ones((8, 16)))
+  q = quantize(w, bits=4, group_size=32)
   with pytest.raises(ValueError, match="scales"):
     quant.QArray(q.packed, q.scales[:, :1], 4, 32, 64).check()
 
@@ -262,17 +265,17 @@ def test_quantize_equals_float64_reference(dtype, bits, group, k):
   w[3] = 0.0
   w[5, :group] = 0.0
   w = w.astype(dtype)
-  q = quant.quantize(w, bits=bits, group_size=group)
+  q = quantize(w, bits=bits, group_size=group)
   codes, scales = _float64_reference(w, bits, group)
   np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint16), scales.view(np.uint16))
   np.testing.assert_array_equal(_codes(q), codes)
   if group % 2 == 0 and dtype in (np.float32, np.float64):
     t = _near_ties(rng, 48, group, bits, dtype)
-    s32 = np.repeat(np.asarray(quant.quantize(t, bits, group).scales, np.float32), group, 1)
+    s32 = np.repeat(np.asarray(quantize(t, bits, group).scales, np.float32), group, 1)
     v = t.astype(np.float32) / s32
     assert np.sum(np.abs(v - np.rint(v)) == 0.5) > 100  # the float32 quotients do tie
     codes, scales = _float64_reference(t, bits, group)
-    np.testing.assert_array_equal(_codes(quant.quantize(t, bits, group)), codes)
+    np.testing.assert_array_equal(_codes(quantize(t, bits, group)), codes)
 
 
 def test_quantize_into_views_and_non_finite():
@@ -280,16 +283,16 @@ def test_quantize_into_views_and_non_finite():
   NaN/Inf groups instead of raising; `quantize` raises on them."""
   rng = np.random.default_rng(9)
   w = _scaled_random(rng, (12, 192)).astype(ml_dtypes.bfloat16)
-  want = quant.quantize(w, 4, 64)
+  want = quantize(w, 4, 64)
   blob = np.zeros(12 * 96 + 12 * 3 * 2, np.uint8)
   packed, scales = blob[:12 * 96].reshape(12, 96), blob[12 * 96:].view(np.uint16).reshape(12, 3)
-  assert quant.quantize_into(w, 4, 64, packed, scales) == 0
+  assert quantize_into(w, 4, 64, packed, scales) == 0
   np.testing.assert_array_equal(packed, want.packed)
   np.testing.assert_array_equal(scales, np.asarray(want.scales).view(np.uint16))
   w[2, 70] = np.inf
   w[7, 0] = np.nan
-  assert quant.quantize_into(w, 4, 64, packed, scales) == 2
+  assert quantize_into(w, 4, 64, packed, scales) == 2
   with pytest.raises(ValueError, match="non-finite"):
-    quant.quantize(w, 4, 64)
+    quantize(w, 4, 64)
   with pytest.raises(ValueError, match="packed"):
-    quant.quantize_into(w, 4, 64, packed[:, :90], scales)
+    quantize_into(w, 4, 64, packed[:, :90], scales)

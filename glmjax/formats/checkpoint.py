@@ -146,7 +146,7 @@ def read_float(ckpt: HFCheckpoint, name: str, fp8_block=None, check_finite=False
     scale = name + SCALE_SUFFIX
     if scale not in ckpt.names():
       raise CheckpointError(f"{ckpt.path}: FP8 tensor {name} has no {scale}")
-    from glmjax.model.quant import fp8_block_dequantize
+    from glmjax.formats.quantize import fp8_block_dequantize
     try:
       a = np.asarray(fp8_block_dequantize(ckpt.read(name), ckpt.read(scale), fp8_block))
     except ValueError as e:

@@ -20,9 +20,9 @@ from tqdm import tqdm
 from glmjax.formats import store
 from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names,
                                       fp8_block_size, plan, read_float, require_finite)
+from glmjax.formats.quantize import quantize_into
 from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
-from glmjax.model.quant import quantize_into
 from glmjax.model.weights import MoE, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
