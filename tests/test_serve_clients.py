@@ -361,3 +361,27 @@ def test_guard_helpers(tmp_path, monkeypatch):
   assert api_keys(key_file=str(f)) == ("k1", "k2")
   with pytest.raises(InputError, match="nothere"):
     api_keys(key_file=str(tmp_path / "nothere"))
+
+
+def test_presence_and_frequency_penalties_follow_openais_rule(server):
+  model, prompt = server["model"], "print(print(print("  # greedy repeats itself here
+  r = server["client"].completions.create(model=server["name"], prompt=prompt, max_tokens=12,
+                                          temperature=0, presence_penalty=0.5,
+                                          frequency_penalty=1.5)
+  ids, out = model.tokenizer.encode(prompt), []
+  counts = np.zeros(model.config.vocab_size)
+  stops = model.default_stop_ids()
+  for _ in range(12):  # greedy over logits − presence·[count > 0] − frequency·count, by hand
+    seq = ids + out
+    padded = np.zeros((1, 64), np.int32)
+    padded[0, :len(seq)] = seq
+    logits = model.score(padded)[0, len(seq) - 1].astype(np.float64)
+    tok = int(np.argmax(logits - 0.5 * (counts > 0) - 1.5 * counts))
+    if tok in stops:
+      break
+    out.append(tok)
+    counts[tok] += 1
+  assert r.choices[0].text == model.tokenizer.decode(out)
+  assert r.choices[0].text != model.generate(prompt, 12).text  # the penalties changed something
+  with pytest.raises(openai.BadRequestError):
+    server["client"].completions.create(model=server["name"], prompt="x", presence_penalty=3)

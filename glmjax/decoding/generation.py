@@ -117,7 +117,8 @@ class Request:
 def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, stop_ids=None, stop=(), on_token=None,
-                on_text=None, logprobs: int | None = None) -> Request:
+                on_text=None, logprobs: int | None = None, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0) -> Request:
   """Validates one request's sampling and stop settings (before any compute)."""
   from glmjax.decoding import sampling, text
   if temperature < 0:  # also checked by SamplingParams; kept for a plain message
@@ -126,7 +127,8 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     raise InputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
   if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
     raise InputError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-  params = sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
+  params = sampling.SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
+                                  presence_penalty, frequency_penalty)
   if stop and model.tokenizer is None:
     raise InputError("stop strings need a tokenizer")
   picker = sampling.TokenPicker(params, model.config.vocab_size, prompt_ids, seed)

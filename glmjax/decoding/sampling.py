@@ -304,6 +304,8 @@ class SamplingParams:
   top_p: float = 1.0
   min_p: float = 0.0
   repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+  frequency_penalty: float = 0.0  # ... and this much per time it was generated
 
   def __post_init__(self):
     def number(name, lo, hi, lo_open=False):
@@ -318,6 +320,8 @@ class SamplingParams:
     number("top_p", 0.0, 1.0, lo_open=True)
     number("min_p", 0.0, 1.0)
     number("repetition_penalty", 0.0, math.inf, lo_open=True)
+    number("presence_penalty", -2.0, 2.0)
+    number("frequency_penalty", -2.0, 2.0)
     k = self.top_k
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
       raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
@@ -376,6 +380,13 @@ def _penalize_jit(logits, seen, penalty):
   return apply_repetition_penalty(logits[None], seen[None], penalty)[0]
 
 
+@jax.jit
+def _additive_penalties_jit(logits, counts, presence, frequency):
+  """OpenAI's presence and frequency penalties over the generated tokens' `counts` `[V]`."""
+  counts = counts.astype(jnp.float32)
+  return logits - presence * (counts > 0) - frequency * counts
+
+
 def _stages(params: SamplingParams) -> tuple:
   """(top_k: 0 off, None run-time, or a static k > PRESELECT; top_p on; min_p on)."""
   k = params.top_k
@@ -404,6 +415,7 @@ class TokenPicker:
     self.key = jax.random.PRNGKey(seed)
     self.seen = np.zeros((vocab_size,), bool)
     self.seen[np.asarray(list(seen), np.int64)] = True
+    self.counts = np.zeros((vocab_size,), np.int32)  # generated tokens only (OpenAI's rule)
 
   @property
   def greedy(self) -> bool:
@@ -411,12 +423,17 @@ class TokenPicker:
 
   def observe(self, tok: int) -> None:
     self.seen[tok] = True
+    self.counts[tok] += 1
 
   def _adjusted(self, logits):
-    penalty = self.params.repetition_penalty
-    if penalty == 1.0:
-      return logits
-    return _penalize_jit(logits, jnp.asarray(self.seen), np.float32(penalty))
+    p = self.params
+    if p.repetition_penalty != 1.0:
+      logits = _penalize_jit(logits, jnp.asarray(self.seen), np.float32(p.repetition_penalty))
+    if p.presence_penalty or p.frequency_penalty:
+      logits = _additive_penalties_jit(logits, jnp.asarray(self.counts),
+                                       np.float32(p.presence_penalty),
+                                       np.float32(p.frequency_penalty))
+    return logits
 
   def _knobs(self):
     p = self.params

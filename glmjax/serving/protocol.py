@@ -101,7 +101,9 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
               temperature=_number(body, "temperature", defaults.get("temperature", 1.0),
                                   *_TEMPERATURE),
               top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
-              seed=seed, stop=_stops(body))
+              seed=seed, stop=_stops(body),
+              presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+              frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
 
 
 def stream_flag(body: dict) -> bool:
