@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import weakref
 from typing import Callable, Sequence
 
@@ -40,6 +41,8 @@ def _target_logprobs(logits, targets, top_k: int = 0):
   return target, top_ids, top_lp
 
 
+STATS_EVERY_S = 600.0  # the offload statistics reach the store at most this often (and at close)
+
 class Model:
   """A loaded GLM-5 model: `config`, `weights` and the steps that run them.
 
@@ -63,6 +66,7 @@ class Model:
     self.runner = Runner(self)
     self._kv: KVPool | None = None
     self._closed = False
+    self._stats_saved_at = time.monotonic()
     self.tokenizer = _tokenizer(path)
 
   def __repr__(self):
@@ -96,7 +100,8 @@ class Model:
     if self._kv is None:
       from glmjax import sharding
       where = None if self.mesh is None else sharding.replicated(self.mesh)
-      self._kv = KVPool(self.kv_layout(), sharding=where)
+      self._kv = KVPool(self.kv_layout(), sharding=where,
+                        prefix_cache=self.options.prefix_cache)
     return self._kv
 
   def kv_layout(self) -> KVLayout:
@@ -250,12 +255,22 @@ class Model:
                           min_p, repetition_penalty, stop_ids, stop, on_token, on_text)
     pool = self.kv
     n = len(prompt_ids)
-    pages = pool.alloc(pool.layout.pages_for(n + max_new_tokens),
-                       f"generate ({n} prompt + {max_new_tokens} new tokens)")
+    # With the prefix cache: cached full pages of the prompt (never its last token, whose
+    # logits pick the first new one); speculative runs also need the MTP layer's cache, which
+    # is not cached, and traced runs record the whole prompt.
+    reuse = pool.prefix is not None and not draft and trace is None
+    pages = pool.prefix.lookup(prompt_ids, n - 1) if reuse else []
+    start = len(pages) * pool.layout.page_size
     try:
+      pages += pool.alloc(pool.layout.pages_for(n + max_new_tokens) - len(pages),
+                          f"generate ({n} prompt + {max_new_tokens} new tokens)")
       if trace is not None:
         request.recorder = self._recorder(trace)
-      result = run_request(self, pool, pages, 0, prompt_ids, request, draft, on_round)
+      request.cached_tokens = start
+      result = run_request(self, pool, pages, start, prompt_ids[start:], request, draft,
+                           on_round)
+      if reuse:
+        pool.prefix.insert(prompt_ids, pages, n)
     finally:
       pool.release(pages)
     if trace is not None:
@@ -296,6 +311,15 @@ class Model:
     return ids
 
   # --- lifetime ------------------------------------------------------------------------------
+  def persist_stats(self, force: bool = False) -> None:
+    """Writes the offload engine's usage histogram and co-activation table to the store
+    (about 20 MB at GLM-5's size): on `close()`, and after a request at most every
+    STATS_EVERY_S seconds, so a notebook's or server's calls do no disk I/O each."""
+    now = time.monotonic()
+    if self.engine is not None and (force or now - self._stats_saved_at >= STATS_EVERY_S):
+      self.engine.save()
+      self._stats_saved_at = now
+
   def close(self) -> None:
     """Saves the offload statistics, stops the I/O threads and frees the KV cache. Idempotent;
     afterwards every call raises InputError. A model garbage-collected without close()

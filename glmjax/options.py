@@ -62,6 +62,9 @@ class Options:
       dense dtype, bfloat16 for float16 weights).
     index_dtype: the cached indexer keys' dtype ("float32", "bfloat16", "float8"; "auto" =
       the KV dtype).
+    prefix_cache: `generate` reuses the KV pages of prompt prefixes an earlier call prefilled
+      (full pages of 256 positions; glmjax.decoding.prefix), kept until the pool needs them.
+      Off by default in the library (cached pages hold memory); the server turns it on.
   """
 
   dtype: str = "float32"
@@ -85,6 +88,7 @@ class Options:
   prefill_chunk: int | None = None
   kv_dtype: str = "auto"
   index_dtype: str = "auto"
+  prefix_cache: bool = False
 
   def __post_init__(self):
     if self.dtype not in _DTYPES:
@@ -109,6 +113,8 @@ class Options:
                        f"{self.expert_budget!r}")
     if not self.io_timeout_s > 0:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
+    if not isinstance(self.prefix_cache, bool):
+      raise InputError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
     if self.attention not in ("sparse", "dense"):
       raise InputError(f"attention must be 'sparse' or 'dense', got {self.attention!r}")
     if self.prefill_chunk is None:  # frozen: the default is filled in once, here

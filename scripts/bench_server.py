@@ -4,6 +4,7 @@
   python scripts/bench_server.py --clients=8 --requests=2 --max_batch=8
   python scripts/bench_server.py --model=/tmp/store --host_cache_gb=0.002 --device_cache_gb=0
   python scripts/bench_server.py --url=http://127.0.0.1:8000   # a server already running
+  python scripts/bench_server.py --workload=prefix     # prefix cache on against off
 
 Without --url it starts a server in-process on a free loopback port. Each of --clients threads
 sends --requests streaming completions one after another (both capped); before that, the same
@@ -20,17 +21,15 @@ if __name__ == "__main__":  # first, before anything allocates: see scripts/_hug
   import _hugepages
   _hugepages.reexec()
 
-import concurrent.futures
-import http.client
 import json
 import socket
-import sys
 import threading
 import time
 import urllib.parse
 
 from absl import app, flags, logging
-import numpy as np
+
+from glmjax.server_bench import PROMPTS, http_json, one_request, phase, prefix_phase, prefix_workload
 
 MAX_CLIENTS, MAX_REQUESTS = 64, 100  # the load is bounded whatever the flags say
 
@@ -54,89 +53,13 @@ flags.DEFINE_float("host_cache_gb", None, "In-process server: host expert budget
 flags.DEFINE_bool("prefetch", None, "In-process server: prefetch predicted experts (store; "
                   "default on).")
 flags.DEFINE_string("json", None, "Also write the JSON report here.")
-
-PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "class Stack:\n", "The quick brown fox",
-           "for i in range(10):", "# A function that", "x = [", "Once upon a time"]
-
-
-def _http(host, port, method, path, body=None, timeout=600):
-  conn = http.client.HTTPConnection(host, port, timeout=timeout)
-  try:
-    conn.request(method, path, None if body is None else json.dumps(body).encode(),
-                 {"content-type": "application/json"})
-    r = conn.getresponse()
-    return r.status, json.loads(r.read())
-  finally:
-    conn.close()
+flags.DEFINE_enum("workload", "stream", ["stream", "prefix"], "stream: the clients' streaming "
+                  "completions; prefix: 8 contexts of 768 tokens × 4 continuations (token-id "
+                  "prompts, max_tokens 8 unless set) with the prefix cache and without, each on "
+                  "its own in-process server (--max_context raised to 1024).")
 
 
-def one_request(host, port, model: str, prompt: str, max_tokens: int) -> dict:
-  """A streaming completion: its TTFT, latency and generated tokens (from the final usage)."""
-  body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-          "stream": True}
-  t0 = time.perf_counter()
-  conn = http.client.HTTPConnection(host, port, timeout=600)
-  ttft, usage, done = None, None, False
-  try:
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                 {"content-type": "application/json"})
-    r = conn.getresponse()
-    if r.status != 200:
-      return {"ok": False, "error": f"HTTP {r.status}: {r.read()[:200]!r}"}
-    for raw in r:
-      line = raw.decode().strip()
-      if not line.startswith("data: "):
-        continue
-      data = line[len("data: "):]
-      if data == "[DONE]":
-        done = True
-        break
-      chunk = json.loads(data)
-      if "error" in chunk:
-        return {"ok": False, "error": chunk["error"]["message"]}
-      if ttft is None and chunk["choices"][0]["text"]:
-        ttft = time.perf_counter() - t0
-      usage = chunk.get("usage") or usage
-  finally:
-    conn.close()
-  latency = time.perf_counter() - t0
-  ok = done and usage is not None
-  return {"ok": ok, "ttft_s": ttft if ttft is not None else latency, "latency_s": latency,
-          "tokens": usage["completion_tokens"] if usage else 0,
-          **({} if ok else {"error": "stream ended without usage or [DONE]"})}
-
-
-def _engine_bytes(host, port) -> float:
-  return _http(host, port, "GET", "/health")[1].get("engine", {}).get("expert_bytes_read", 0.0)
-
-
-def phase(host, port, model: str, clients: int, requests: int, max_tokens: int) -> dict:
-  """`clients` threads × `requests` each; prompts cycle so requests differ."""
-  jobs = [[PROMPTS[(c * requests + i) % len(PROMPTS)] for i in range(requests)]
-          for c in range(clients)]
-
-  def client(prompts):
-    return [one_request(host, port, model, p, max_tokens) for p in prompts]
-
-  bytes0 = _engine_bytes(host, port)
-  t0 = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-    results = [r for rs in pool.map(client, jobs) for r in rs]
-  wall = time.perf_counter() - t0
-  read = _engine_bytes(host, port) - bytes0
-  good = [r for r in results if r["ok"]]
-  tokens = sum(r["tokens"] for r in good)
-  pct = lambda key, q: float(np.percentile([r[key] for r in good], q)) if good else 0.0
-  return {"clients": clients, "requests": len(results), "completed": len(good),
-          "errors": [r["error"] for r in results if not r["ok"]][:5],
-          "wall_s": wall, "tokens": tokens, "throughput_tok_s": tokens / wall,
-          "requests_per_s": len(results) / wall,
-          "ttft_p50_s": pct("ttft_s", 50), "ttft_p99_s": pct("ttft_s", 99),
-          "latency_p50_s": pct("latency_s", 50), "latency_p99_s": pct("latency_s", 99),
-          "expert_bytes_read": read, "bytes_per_token": read / tokens if tokens else 0.0}
-
-
-def _start_server():
+def _start_server(prefix_cache: bool = True, max_context: int | None = None):
   """An in-process server on a free loopback port: (host, port, stop)."""
   import uvicorn
   import glmjax
@@ -144,8 +67,8 @@ def _start_server():
   opts = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb", "prefetch")
           if getattr(FLAGS, k) is not None}
   model = glmjax.load(FLAGS.model, progress=False, prefill_chunk=FLAGS.prefill_chunk,
-                      max_context=FLAGS.max_context, **opts)
-  server_app = create_app(model, FLAGS.max_batch, FLAGS.max_queue)
+                      max_context=max_context or FLAGS.max_context, **opts)
+  server_app = create_app(model, FLAGS.max_batch, FLAGS.max_queue, prefix_cache=prefix_cache)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -164,23 +87,52 @@ def _start_server():
     thread.join(timeout=30)
     server_app.state.scheduler.close()
     model.close()
-  return "127.0.0.1", port, stop
+  return "127.0.0.1", port, stop, model.tokenizer
+
+
+def prefix_report() -> dict:
+  """The prefix workload on a server with the prefix cache and on one without, in turn."""
+  max_tokens = FLAGS.max_tokens if FLAGS["max_tokens"].present else 8
+  report = {"workload": "prefix", "max_tokens": max_tokens, "clients": FLAGS.clients}
+  for name, on in (("cached", True), ("uncached", False)):
+    host, port, stop, tok = _start_server(prefix_cache=on, max_context=1024)
+    try:
+      model = http_json(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
+      warm = prefix_workload(tok, 1, offset=8, continuations=2)  # compiles both prefill shapes
+      prefix_phase(host, port, model, warm, 1, max_tokens)
+      report[name] = prefix_phase(host, port, model, prefix_workload(tok), FLAGS.clients,
+                                  max_tokens)
+    finally:
+      stop()
+  c, u = report["cached"], report["uncached"]
+  report["prefill_ratio"] = c["prefilled_tokens"] / u["prefilled_tokens"]
+  report["requests_per_s_ratio"] = c["requests_per_s"] / u["requests_per_s"]
+  return report
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.workload == "prefix":
+    report = prefix_report()
+    out = json.dumps(report, indent=2)
+    print(out)
+    if FLAGS.json:
+      with open(FLAGS.json, "w") as f:
+        f.write(out + "\n")
+    phases = [report["cached"], report["uncached"]]
+    return 0 if all(p["completed"] == p["requests"] for p in phases) else 1
   if FLAGS.url:
     u = urllib.parse.urlparse(FLAGS.url)
     host, port, stop = u.hostname, u.port or 80, lambda: None
   else:
-    host, port, stop = _start_server()
+    host, port, stop, _ = _start_server()
   try:
-    model = _http(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
+    model = http_json(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
     for p in PROMPTS:  # warm-up: compiles the prefill shapes and the batch's decode step
       one_request(host, port, model, p, FLAGS.max_tokens)
     report = {"model": model, "max_tokens": FLAGS.max_tokens,
-              "max_batch": _http(host, port, "GET", "/health")[1].get("max_batch")}
+              "max_batch": http_json(host, port, "GET", "/health")[1].get("max_batch")}
     if FLAGS.sequential:
       report["sequential"] = phase(host, port, model, 1, FLAGS.clients * FLAGS.requests,
                                    FLAGS.max_tokens)

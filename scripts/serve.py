@@ -51,6 +51,8 @@ flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorizatio
                     "X-Api-Key), comma-separated; default: the GLMJAX_API_KEY environment "
                     "variable, else none (open).")
 flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
+flags.DEFINE_bool("prefix_cache", True, "Reuse the KV pages of prompt prefixes already "
+                  "prefilled (full pages of 256 positions); --noprefix_cache turns it off.")
 flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
 # Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
 flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
@@ -84,7 +86,7 @@ def main(argv):
     model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
                         kv_dtype=FLAGS.kv_dtype, **options)
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
-                        FLAGS.kv_cache_gb, guard)
+                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -241,3 +241,18 @@ def test_generate_script_takes_every_load_option(embedded_store):
   r = subprocess.run(base + ["--max_context=6", "--max_new_tokens=3"], capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 1 and "exceeds max_context 6" in r.stderr
+
+
+def test_generate_writes_no_statistics_until_close(embedded_store, tmp_path):
+  """Offload statistics (20 MB at GLM-5's size) reach the store at close, not on every call."""
+  import shutil
+  store = tmp_path / "store"
+  shutil.copytree(embedded_store, store)
+  for name in ("usage.json", "couple.npy"):
+    if os.path.exists(store / name):
+      os.remove(store / name)
+  with glmjax.load(str(store), progress=False, host_cache_gb=0.001) as m:
+    m.generate("def ", 4)
+    m.generate("import os\n", 4)
+    assert not os.path.exists(store / "usage.json")
+  assert os.path.exists(store / "usage.json") and os.path.exists(store / "couple.npy")

@@ -69,6 +69,7 @@ class Request:
   # (token, TokenLogprob) per token picked, `out`'s and then the stop token that ended it
   scores: list = dataclasses.field(default_factory=list)
   reason: str = "max_new_tokens"
+  cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
   _pending: Any = None
 
   def pick(self, logits) -> int:
@@ -382,14 +383,16 @@ def run_request(model, pool, pages, start: int, prompt_ids: np.ndarray, req: Req
     pool.reset()
     raise
   req.finish()
-  stats.update(prompt_tokens=float(n), new_tokens=float(len(req.out)),
+  stats.update(prompt_tokens=float(req.cached_tokens + n), cached_tokens=float(req.cached_tokens),
+               new_tokens=float(len(req.out)),
                prefill_chunks=float(len(chunk_plan(n, runner.chunk))),
                kv_pages=float(len(pages)), kv_bytes=float(len(pages) * pool.layout.page_bytes()))
   if engine is not None:
     stats.update(engine_stats(engine, before, model.config.num_experts_per_tok))
     stats["prefill_expert_bytes"] = (read.get("expert_bytes_read", 0.0)
                                      - before.get("expert_bytes_read", 0.0))
-    engine.save()
+    engine.settle()  # this call's deferred bookkeeping, before its caller reads the tiers
+    model.persist_stats()
   return GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
                           text="".join(req.pieces) if req.stream is not None else None)
 

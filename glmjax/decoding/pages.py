@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
+from glmjax.decoding.prefix import PrefixCache
 from glmjax.errors import InputError
 from glmjax.model import kvcache
 from glmjax.model.config import Config
@@ -66,8 +67,11 @@ class KVPool:
   """Pages of the KV cache on the device, and the free list (page 0, the null page, is never
   handed out). Not thread-safe: one thread drives it."""
 
-  def __init__(self, layout: KVLayout, n_pages: int = 1, sharding=None, room=free_bytes):
+  def __init__(self, layout: KVLayout, n_pages: int = 1, sharding=None, room=free_bytes,
+               prefix_cache: bool = False):
     self.layout, self.sharding, self.room = layout, sharding, room
+    # Full prompt pages kept for reuse (glmjax.decoding.prefix): evicted when pages run short.
+    self.prefix = PrefixCache(layout.page_size) if prefix_cache else None
     self.n_pages = 0
     self.layers: list = []
     self.mtp_layers: list | None = None
@@ -86,7 +90,12 @@ class KVPool:
 
   @property
   def used_pages(self) -> int:
-    return self.n_pages - 1 - len(self.free)
+    return self.n_pages - 1 - self.available
+
+  @property
+  def available(self) -> int:
+    """Pages a request can take now: free ones, and cached prefixes no row uses."""
+    return len(self.free) + (len(self.prefix.idle) if self.prefix else 0)
 
   def _arrays(self, n_pages: int, mtp: bool) -> list:
     lay = self.layout
@@ -125,7 +134,10 @@ class KVPool:
 
   # --- pages --------------------------------------------------------------------------------
   def alloc(self, n: int, what: str = "request", grow: bool = True) -> list[int]:
-    """`n` free pages, growing the pool when `grow` (a fixed budget does not grow)."""
+    """`n` free pages, growing the pool when `grow` (a fixed budget does not grow); cached
+    prefixes no row uses give up their pages first, least recently used first."""
+    if n > len(self.free) and self.prefix is not None:
+      self.free.extend(self.prefix.evict(n - len(self.free)))
     if n > len(self.free):
       if not grow:
         raise InputError(f"{what}: needs {n} KV pages, {len(self.free)} are free")
@@ -139,6 +151,9 @@ class KVPool:
     return out
 
   def release(self, pages) -> None:
+    """Gives pages back (cached prefixes stay cached until evicted)."""
+    if self.prefix is not None:
+      pages = self.prefix.release(pages)
     self.free.extend(int(p) for p in pages)
     self.free.sort(reverse=True)
 
@@ -157,6 +172,8 @@ class KVPool:
     self.layers = self._arrays(self.n_pages, False)
     if self.mtp_layers is not None:
       self.mtp_layers = self._arrays(self.n_pages, True)
+    if self.prefix is not None:  # the cached prefixes went with the old arrays
+      self.release(self.prefix.clear())
     self.epoch += 1
 
   # --- caches for a step --------------------------------------------------------------------

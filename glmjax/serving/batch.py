@@ -57,7 +57,7 @@ class BatchDecoder:
   """
 
   def __init__(self, model, width: int, context: int | None = None,
-               kv_cache_gb: float | None = None):
+               kv_cache_gb: float | None = None, prefix_cache: bool = False):
     if width < 1:
       raise InputError(f"batch width must be ≥ 1, got {width}")
     self.model, self.width = model, width
@@ -71,7 +71,8 @@ class BatchDecoder:
                        f"({layout.page_bytes()} bytes of {layout.page_size} positions)")
     from glmjax import sharding
     where = None if model.mesh is None else sharding.replicated(model.mesh)
-    self.pool = KVPool(layout, 1 + n_pages, sharding=where, room=lambda: 1 << 62)
+    self.pool = KVPool(layout, 1 + n_pages, sharding=where, room=lambda: 1 << 62,
+                       prefix_cache=prefix_cache)
     self.width_pages = layout.pages_for(self.context)  # W: the pages a row can address
     self.rows: list[Row | None] = [None] * width
     # Compiled at start-up, so the first requests that share the batch do not stall on it:
@@ -112,7 +113,7 @@ class BatchDecoder:
 
   def can_admit(self, n_tokens: int) -> bool:
     """A free row and free pages for `n_tokens` now."""
-    return self.free() > 0 and self.pages_needed(n_tokens) <= len(self.pool.free)
+    return self.free() > 0 and self.pages_needed(n_tokens) <= self.pool.available
 
   def _lengths(self) -> np.ndarray:
     return np.asarray([0 if r is None else r.length for r in self.rows], np.int32)  # [B]
@@ -162,11 +163,18 @@ class BatchDecoder:
     self.check_fits(total)
     if not self.can_admit(total):
       raise InputError(f"no room now for {total} tokens: wait for a row and KV pages")
-    pages = self.pool.alloc(self.pages_needed(total), grow=False)
+    prefix = self.pool.prefix
+    # Cached full pages of the prompt (never its last token: its logits pick the first token).
+    pages = prefix.lookup(prompt_ids, n - 1) if prefix is not None else []
+    start = len(pages) * self.pool.layout.page_size
     try:
-      one = self.pool.cache([self.pool.table(pages, self.width_pages)], 0, self.runner.put)
-      logits, _, one = self.runner.prefill(one, prompt_ids, 0)
+      pages += self.pool.alloc(self.pages_needed(total) - len(pages), grow=False)
+      one = self.pool.cache([self.pool.table(pages, self.width_pages)], start, self.runner.put)
+      logits, _, one = self.runner.prefill(one, prompt_ids[start:], start)
       self.pool.update(one)
+      if prefix is not None:
+        prefix.insert(prompt_ids, pages, n)
+      req.cached_tokens = start
       tok = req.pick(logits)
     except BaseException:
       self.pool.release(pages)

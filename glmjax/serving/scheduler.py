@@ -79,7 +79,7 @@ class Job:
                finish_reason="length" if req.reason == "max_new_tokens" else "stop",
                text="".join(req.pieces), tokens=list(req.out), logprobs=req.logprobs,
                scores=list(req.scores), prompt_ids=[int(t) for t in self.prompt_ids],
-               prompt_scores=self.prompt_scores,
+               prompt_scores=self.prompt_scores, cached_tokens=req.cached_tokens,
                ttft_s=first - self.t_submit, latency_s=now - self.t_submit,
                decode_tok_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0)
     out.update(self.engine)
@@ -93,12 +93,13 @@ class Scheduler:
   snapshot of the engine's counters after each step for `state` to read."""
 
   def __init__(self, model, max_batch: int = 4, max_queue: int = 16,
-               kv_cache_gb: float | None = None):
+               kv_cache_gb: float | None = None, prefix_cache: bool = False):
     if max_queue < 0:
       raise InputError(f"max_queue must be ≥ 0, got {max_queue}")
     self.model = model
     self.max_queue = max_queue
-    self.batch = BatchDecoder(model, max_batch, kv_cache_gb=kv_cache_gb)
+    self.batch = BatchDecoder(model, max_batch, kv_cache_gb=kv_cache_gb,
+                              prefix_cache=prefix_cache)
     self.context = self.batch.context
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[int, Job] = {}  # admitted, decoding
@@ -138,8 +139,11 @@ class Scheduler:
                  cancelling=sum(j.cancelled for j in jobs),
                  max_queue=self.max_queue, peak_live=self.peak_live, **self.counts,
                  kv={"budget_bytes": self.batch.kv_bytes, "pages": pool.n_pages - 1,
-                     "pages_free": len(pool.free), "page_size": pool.layout.page_size,
+                     "pages_free": pool.available, "page_size": pool.layout.page_size,
                      "context": self.batch.context})
+      if pool.prefix is not None:
+        out["kv"]["prefix_cached_pages"] = pool.prefix.cached_pages
+        out["kv"]["prefix_hit_tokens"] = pool.prefix.hits_tokens
       if self._engine_view is not None:
         out["engine"] = {k: self._engine_view.get(k, 0.0) for k in ENGINE_KEYS}
     if self.dead:
@@ -192,6 +196,7 @@ class Scheduler:
         faults += 1
         self._recover(e, give_up=faults >= MAX_FAULTS)
       self._engine_view = self._telemetry()
+      self.model.persist_stats()  # throttled: at most every STATS_EVERY_S
 
   def _turn(self) -> None:
     """One step boundary: drop cancelled rows, admit waiting jobs, decode one step."""
