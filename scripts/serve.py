@@ -51,6 +51,8 @@ flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorizatio
                     "X-Api-Key), comma-separated; default: the GLMJAX_API_KEY environment "
                     "variable, else none (open).")
 flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
+flags.DEFINE_string("mesh", None, "Device mesh of this one process as axis:size pairs (expert, "
+                    "tensor, data; e.g. expert:4); default: one device.")
 flags.DEFINE_bool("prefix_cache", True, "Reuse the KV pages of prompt prefixes already "
                   "prefilled (full pages of 256 positions); --noprefix_cache turns it off.")
 flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
@@ -83,7 +85,9 @@ def main(argv):
     keys = api_keys(FLAGS.api_key, FLAGS.api_key_file)
     guard = Guard(keys, loopback=is_loopback(FLAGS.host),
                   max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20))
-    model = glmjax.load(FLAGS.model, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
+    from glmjax import sharding
+    mesh = sharding.make_mesh(sharding.parse(FLAGS.mesh)) if FLAGS.mesh else None
+    model = glmjax.load(FLAGS.model, mesh=mesh, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
                         kv_dtype=FLAGS.kv_dtype, **options)
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
                         FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache)

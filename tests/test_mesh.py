@@ -54,6 +54,15 @@ for name, sizes in (("expert4", {"expert": 4}), ("expert2_tensor2", {"expert": 2
     r["chat"] = m.chat(max_context=16).send("hi", 4).tokens
   else:
     r["draft"] = m.generate(prompt, n, draft=1).tokens
+    # the server's decode batch on the mesh (serve.py --mesh): one row, greedy
+    from glmjax.decoding.generation import new_request
+    from glmjax.serving.batch import BatchDecoder
+    batch = BatchDecoder(m, 1, context=16)
+    req = new_request(m, np.asarray(prompt, np.int32), n)
+    done = batch.admit(np.asarray(prompt, np.int32), req)
+    while not done:
+      done = bool(batch.step())
+    r["batch"] = list(req.out)
   out[name] = r
 
 # The expert store on a 2-device mesh against the same store on one device.
@@ -171,6 +180,10 @@ def test_routed_experts_split_along_expert(runs):
 def test_speculative_and_chat_on_a_mesh(runs):
   assert runs["expert4"]["draft"] == runs["ref_tokens"]  # greedy drafting changes no token
   assert runs["expert2_tensor2"]["chat"] == runs["ref_chat"]
+
+
+def test_the_servers_decode_batch_on_a_mesh(runs):
+  assert runs["expert4"]["batch"] == runs["ref_tokens"]
 
 
 def test_store_on_two_devices(runs):

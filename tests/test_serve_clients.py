@@ -385,3 +385,51 @@ def test_presence_and_frequency_penalties_follow_openais_rule(server):
   assert r.choices[0].text != model.generate(prompt, 12).text  # the penalties changed something
   with pytest.raises(openai.BadRequestError):
     server["client"].completions.create(model=server["name"], prompt="x", presence_penalty=3)
+
+
+def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_store, tmp_path):
+  """A store with a small host cache: four clients stream while /health is polled all along;
+  every stream equals its solo greedy run and every /health answers 200 with counters that
+  only grow (the scheduler thread publishes them; the event loop never touches the engine)."""
+  import shutil
+  store = str(tmp_path / "store")
+  shutil.copytree(embedded_store, store)
+  model = glmjax.load(store, progress=False, max_context=128, device_cache_gb=0,
+                      host_cache_gb=0.002)
+  assert model.offloaded
+  prompts = ["def ", "for i in", "import os\n", "x = "]
+  want = [model.generate(p, 10).text for p in prompts]
+  app = create_app(model, max_batch=4, max_queue=4)
+  port = _free_port()
+  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=srv.run, daemon=True)
+  thread.start()
+  polls, stop = [], threading.Event()
+
+  def poll():
+    while not stop.is_set():
+      polls.append(_raw({"port": port}, "GET", "/health", key=None))
+  try:
+    _until(lambda: srv.started, "the server to start")
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+    def stream(p):
+      return "".join(c.choices[0].text for c in client.completions.create(
+          model=app.state.model_name, prompt=p, max_tokens=10, temperature=0, stream=True)
+          if c.choices)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      got = list(pool.map(stream, prompts))
+    stop.set()
+    poller.join(timeout=30)
+  finally:
+    stop.set()
+    srv.should_exit = True
+    thread.join(timeout=30)
+    app.state.scheduler.close()
+    model.close()
+  assert got == want
+  assert len(polls) > 1 and all(status == 200 for status, _ in polls)
+  read = [body["engine"]["expert_bytes_read"] for _, body in polls]
+  assert read == sorted(read) and read[-1] > read[0]
