@@ -69,7 +69,8 @@ def test_accelerator_placement_paths_run_on_a_cpu(embedded_store):
   for mode in ("device", "host", "auto"):
     with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
       eng = m.engine
-      eng.placement.on_cpu = eng.fused_step.enabled = eng.prefetcher.filling = False  # as on a GPU or TPU machine
+      # as on a GPU or TPU machine
+      eng.placement.on_cpu = eng.fused_step.enabled = eng.prefetcher.filling = False
       m.score(toks)  # misses fill the host cache and the free pin slots
       before = eng.telemetry()
       got = m.score(toks)
@@ -510,7 +511,7 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     eng.prefetcher.land()
     assert eng.host.keys() == held  # nothing evicted, nothing landed
     assert {(layer, g) for g in [want, *guesses]} <= set(eng.prefetcher.inflight)
-    eng.pilot_k = eng.couple_k = 0  # the step below hints nothing for the next layer
+    eng.prefetcher.pilot_k = eng.prefetcher.couple_k = 0  # the step below hints nothing next
     reads = []
     read = eng.reader.read_fn
     eng.reader.read_fn = lambda l, x: reads.append((l, x)) or read(l, x)
@@ -522,7 +523,8 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     assert reads == []  # the held read served the step
     assert after["prefetch_useful"] - before.get("prefetch_useful", 0) == 1
     assert after["prefetch_wasted"] - before.get("prefetch_wasted", 0) == len(guesses)
-    assert not any(k[0] == layer for k in eng.prefetcher.inflight)  # the step dropped the unused ones
+    # the step dropped the unused ones
+    assert not any(k[0] == layer for k in eng.prefetcher.inflight)
     read_now = after["expert_bytes_read"] - before.get("expert_bytes_read", 0)
     assert read_now == (1 + len(guesses)) * chunk  # the wasted guesses' bytes count too
     ref = _tiered(plain.engine, layer, plain.engine.dense.layers[layer].mlp, x, ids)
