@@ -70,7 +70,7 @@ def _fresh_store(src, dst):
   return str(dst)
 
 
-@pytest.mark.parametrize("device_fraction,host_fraction", [(0.3, 0.25), (0.0, 0.5)])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.3, 0.25), (0.0, 0.5), (0.5, 0.1)])
 def test_simulator_reproduces_the_live_engine(embedded_store, tmp_path, device_fraction,
                                               host_fraction):
   """A live trace replayed under policy="engine" gives the live run's pin hits, host hits and
