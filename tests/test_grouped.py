@@ -242,7 +242,7 @@ def test_a_host_cache_that_holds_everything_is_filled(embedded_store, tmp_path):
 def test_a_long_step_is_fused_only_when_every_expert_is_held(embedded_store):
   """A void fused attempt costs a whole forward: after a step that missed nothing, only steps
   of at most FUSED_GUESS_TOKENS tokens are tried fused on a partial cache."""
-  from glmjax.offload.engine import FUSED_GUESS_TOKENS
+  from glmjax.offload.fused import FUSED_GUESS_TOKENS
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
                    host_cache_gb=8 * chunk_bytes(embedded_store) / GB, prefetch=False) as m:
     eng = m.engine

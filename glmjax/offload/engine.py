@@ -46,7 +46,7 @@ from glmjax.model.forward import (JITTED, Chunk, KVCache, RecordOptions, forward
 from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
-from glmjax.offload.fused import FUSED_GUESS_TOKENS, FusedStep  # noqa: F401  (re-exported)
+from glmjax.offload.fused import FusedStep
 from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider

@@ -9,7 +9,6 @@ simulator with it.
 
 from __future__ import annotations
 
-import numpy as np
 
 from glmjax.errors import InputError
 from glmjax.offload.rules import HostCache, PinSlots, TierRules, lfru_admissions
