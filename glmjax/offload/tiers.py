@@ -1,6 +1,9 @@
-"""Cache tiers of the offload engine: the device-resident pinned pool and the host LRU.
+"""Cache tiers of the offload engine: the device-resident pinned pools (`DevicePool`; on a mesh
+`MeshPins`), the host LRU's storage (`HostSlabs`), LFRU heat (`Heat`), and `Tiers`, which runs
+the shared tier rules (glmjax.offload.rules.TierRules) over these bytes.
 
-Both are bookkeeping plus storage; neither does I/O. Keys are (layer, expert).
+Storage only: the rules are glmjax.offload.rules', and nothing here does I/O. Keys are
+(layer, expert).
 """
 
 from __future__ import annotations
