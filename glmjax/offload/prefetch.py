@@ -163,6 +163,7 @@ class Prefetcher:
     self.hint(layer, pred, PILOT)
 
   def save(self) -> None:
+    """Persists the co-activation table (when prefetch is on)."""
     if self.enabled:
       atomic_write(self.couple_path, lambda f: np.save(f, self.couple))
 

@@ -52,6 +52,7 @@ pool_terms_step = jax.jit(pool_terms, static_argnames=("kernel",))
 
 @jax.jit
 def merge_terms(active, a, b):
+  """`a`'s terms `[T, K, D]` where `active` `[T, K]` is set, `b`'s elsewhere."""
   return jnp.where(active[..., None], a, b)
 
 
@@ -120,6 +121,7 @@ class Placement:
     return self.rates["h2d"] > self.rates["host"]
 
   def rate(self, name: str, nbytes: int, seconds: float) -> None:
+    """Folds a measured transfer (`nbytes` in `seconds`) into rate `name` (EMA)."""
     if seconds > 0:
       r = nbytes / seconds
       self.rates[name] = r if not self.rates[name] else 0.8 * self.rates[name] + 0.2 * r
@@ -330,6 +332,7 @@ class TieredProvider:
 
 
   def next_moe(self, layer: int) -> int | None:
+    """The layer after `layer` if it is a MoE layer, else None."""
     nxt = layer + 1
     layers = self.dense.layers
     return nxt if nxt < len(layers) and isinstance(layers[nxt].mlp, MoE) else None

@@ -286,6 +286,7 @@ class MeshPins:
       self.shards.append(DevicePool(layer, slots, pool, table))
 
   def owner(self, e: int) -> int:
+    """The device index (along `expert`) that owns expert `e`."""
     return e // self.block
 
   def shard(self, e: int) -> DevicePool:
