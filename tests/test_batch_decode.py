@@ -79,10 +79,10 @@ def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store,
     read = eng.reader.read_fn
     eng.reader.read_fn = lambda layer, e: reads.append((layer, e)) or read(layer, e)
     before = (eng.telemetry(), dict(eng.heat.h), eng.heat.scale, eng.host.keys(),
-              eng._fused_ready)
+              eng.fused_step.ready)
     batch = BatchDecoder(m, 3, 80)  # a width no other test compiles
     assert (eng.telemetry(), dict(eng.heat.h), eng.heat.scale, eng.host.keys(),
-            eng._fused_ready) == before
+            eng.fused_step.ready) == before
     assert reads == []
     reqs = [new_request(m, _ids(m, p), N, stop_ids=[]) for p in PROMPTS[:3]]
     for i, r in enumerate(reqs):
@@ -112,8 +112,8 @@ def test_compiling_ahead_drops_no_held_prefetch(embedded_store):
     key = (eng.moe_layers[0], 1)
     held = cf.Future()
     held.set_result(eng.reader.read_fn(*key))
-    eng.inflight[key] = (held, PILOT)
+    eng.prefetcher.inflight[key] = (held, PILOT)
     before = eng.telemetry()
     BatchDecoder(m, 2, 80)
-    assert eng.inflight.get(key) == (held, PILOT)
+    assert eng.prefetcher.inflight.get(key) == (held, PILOT)
     assert eng.telemetry() == before

@@ -18,7 +18,7 @@ PROMPT17 = [5 + (7 * i) % 80 for i in range(17)]
 def _tiered(eng, layer, m, x, ids):
   """One layer step of `x` `[T, D]` routed to `ids` through the engine's tiers: its terms."""
   from glmjax.model.forward import Routed
-  (terms,) = eng._tiered(layer, m, [Routed(x[None], x, ids)])
+  (terms,) = eng.provider.tiered(layer, m, [Routed(x[None], x, ids)])
   return terms
 
 def chunk_bytes(path):
@@ -69,7 +69,8 @@ def test_accelerator_placement_paths_run_on_a_cpu(embedded_store):
   for mode in ("device", "host", "auto"):
     with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
       eng = m.engine
-      eng.on_cpu = eng.fused = eng._fill = False  # as on a GPU or TPU machine
+      # as on a GPU or TPU machine
+      eng.placement.on_cpu = eng.fused_step.enabled = eng.prefetcher.filling = False
       m.score(toks)  # misses fill the host cache and the free pin slots
       before = eng.telemetry()
       got = m.score(toks)
@@ -83,7 +84,7 @@ def test_accelerator_placement_paths_run_on_a_cpu(embedded_store):
       if mode == "host":
         assert d["h2d_bytes"] == 0 and d["experts_on_host"] > 0
       if mode == "auto":  # the first host-held step uploads, the next runs on the host
-        assert eng.rates["h2d"] > 0 and eng.rates["host"] > 0
+        assert eng.placement.rates["h2d"] > 0 and eng.placement.rates["host"] > 0
 
 
 def test_host_and_auto_agree_with_device_under_the_pallas_kernel(embedded_store):
@@ -97,7 +98,7 @@ def test_host_and_auto_agree_with_device_under_the_pallas_kernel(embedded_store)
   for mode in ("device", "host", "auto"):
     with glmjax.load(embedded_store, expert_compute=mode, **kw) as m:
       eng = m.engine
-      eng.on_cpu = eng.fused = eng._fill = False  # as on a GPU
+      eng.placement.on_cpu = eng.fused_step.enabled = eng.prefetcher.filling = False  # as on a GPU
       assert eng.kernel == "pallas"
       m.score([PROMPT17])
       logits[mode] = m.score([PROMPT17])
@@ -153,15 +154,15 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
                      device_cache_gb=device_fraction * total / GB,
                      host_cache_gb=2 * total / GB) as m:
       eng = m.engine
-      eng.fused = mode not in ("layers", "warm_layers")
+      eng.fused_step.enabled = mode not in ("layers", "warm_layers")
       if mode.startswith("warm"):
         eng.warm_host()
-        assert eng._all_cached()
+        assert eng.tiers.all_cached(eng.moe_layers)
       if mode == "forced":
         forward = eng.forward
 
         def always(*a, **k):
-          eng._fused_ready = True
+          eng.fused_step.ready = True
           return forward(*a, **k)
         eng.forward = always
       unsettled = []
@@ -169,7 +170,7 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
         settle = eng.settle
 
         def spy():
-          unsettled.append(eng._unsettled is not None)
+          unsettled.append(eng.fused_step.unsettled is not None)
           settle()
         eng.settle = spy
       before = eng.telemetry()
@@ -219,12 +220,12 @@ def test_a_host_cache_that_holds_everything_is_filled(embedded_store, tmp_path):
       eng = m.engine
       ref = m.generate(PROMPT17, 4, stop_ids=[]).tokens
       for _ in range(20):  # each call queues what the reader has room for, then lands it
-        cf.wait([f for f, _ in eng.inflight.values()])
+        cf.wait([f for f, _ in eng.prefetcher.inflight.values()])
         r = m.generate(PROMPT17, 4, stop_ids=[])
         assert r.tokens == ref
-        if eng._all_cached():
+        if eng.tiers.all_cached(eng.moe_layers):
           break
-      assert eng._all_cached() == filled
+      assert eng.tiers.all_cached(eng.moe_layers) == filled
       used = {k for k in eng.heat.h}
       stats = eng.telemetry()
       if filled:
@@ -241,12 +242,12 @@ def test_a_host_cache_that_holds_everything_is_filled(embedded_store, tmp_path):
 def test_a_long_step_is_fused_only_when_every_expert_is_held(embedded_store):
   """A void fused attempt costs a whole forward: after a step that missed nothing, only steps
   of at most FUSED_GUESS_TOKENS tokens are tried fused on a partial cache."""
-  from glmjax.offload.engine import FUSED_GUESS_TOKENS
+  from glmjax.offload.fused import FUSED_GUESS_TOKENS
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
                    host_cache_gb=8 * chunk_bytes(embedded_store) / GB, prefetch=False) as m:
     eng = m.engine
     for n, tried in ((FUSED_GUESS_TOKENS + 1, False), (FUSED_GUESS_TOKENS, True)):
-      eng._fused_ready = True
+      eng.fused_step.ready = True
       before = eng.telemetry()
       m.score([PROMPT17[:n]])
       after = eng.telemetry()
@@ -440,7 +441,7 @@ def _hinted_step(m, layer, want):
   eng = m.engine
   x, ids = _step_inputs(m, want)
   eng.hint(layer, [want], PILOT)
-  cf.wait([eng.inflight[(layer, want)][0]])
+  cf.wait([eng.prefetcher.inflight[(layer, want)][0]])
   before = eng.telemetry()
   terms = _tiered(eng, layer, eng.dense.layers[layer].mlp, x, ids)
   return terms, before, eng.telemetry()
@@ -501,17 +502,17 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     layer = eng.moe_layers[0]
     e = m.config.n_routed_experts
     for x in range(6):  # fill the host cache through the engine's own inserts
-      eng._put_host((layer, x), eng.store.read_chunk(layer, x))
-    eng.slabs.flush()
+      eng.tiers.put_host((layer, x), eng.store.read_chunk(layer, x))
+    eng.tiers.slabs.flush()
     assert eng.host.used + chunk > eng.host.budget  # full: a landing would have to evict
     held = eng.host.keys()
     want, guesses = 6, [7, 8, 9]
     eng.hint(layer, [want, *guesses], PILOT)
-    cf.wait([eng.inflight[(layer, g)][0] for g in [want, *guesses]])
-    eng._land()
+    cf.wait([eng.prefetcher.inflight[(layer, g)][0] for g in [want, *guesses]])
+    eng.prefetcher.land()
     assert eng.host.keys() == held  # nothing evicted, nothing landed
-    assert {(layer, g) for g in [want, *guesses]} <= set(eng.inflight)
-    eng.pilot_k = eng.couple_k = 0  # the step below hints nothing for the next layer
+    assert {(layer, g) for g in [want, *guesses]} <= set(eng.prefetcher.inflight)
+    eng.prefetcher.pilot_k = eng.prefetcher.couple_k = 0  # the step below hints nothing next
     reads = []
     read = eng.reader.read_fn
     eng.reader.read_fn = lambda l, x: reads.append((l, x)) or read(l, x)
@@ -523,7 +524,8 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     assert reads == []  # the held read served the step
     assert after["prefetch_useful"] - before.get("prefetch_useful", 0) == 1
     assert after["prefetch_wasted"] - before.get("prefetch_wasted", 0) == len(guesses)
-    assert not any(k[0] == layer for k in eng.inflight)  # the step dropped the unused ones
+    # the step dropped the unused ones
+    assert not any(k[0] == layer for k in eng.prefetcher.inflight)
     read_now = after["expert_bytes_read"] - before.get("expert_bytes_read", 0)
     assert read_now == (1 + len(guesses)) * chunk  # the wasted guesses' bytes count too
     ref = _tiered(plain.engine, layer, plain.engine.dense.layers[layer].mlp, x, ids)

@@ -12,7 +12,7 @@ import pytest
 import glmjax
 from glmjax.errors import InputError
 from glmjax.offload.expert_io import ExpertIOError
-from glmjax.offload.tiers import REPIN_MARGIN, REPIN_RATIO, HostCache, should_repin
+from glmjax.offload.rules import REPIN_MARGIN, REPIN_RATIO, HostCache, should_repin
 from hf_reference import make_hf, tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,8 @@ import pytest
 import tensorstore as ts
 
 import glmjax
-from glmjax.replay import Trace, simulate
+from glmjax.offload import rules, tiers
+from glmjax.replay import Trace, engine_model, simulate
 from glmjax.reporting import store_geometry
 
 GB = 1 << 30
@@ -70,7 +71,7 @@ def _fresh_store(src, dst):
   return str(dst)
 
 
-@pytest.mark.parametrize("device_fraction,host_fraction", [(0.3, 0.25), (0.0, 0.5)])
+@pytest.mark.parametrize("device_fraction,host_fraction", [(0.3, 0.25), (0.0, 0.5), (0.5, 0.1)])
 def test_simulator_reproduces_the_live_engine(embedded_store, tmp_path, device_fraction,
                                               host_fraction):
   """A live trace replayed under policy="engine" gives the live run's pin hits, host hits and
@@ -94,6 +95,44 @@ def test_simulator_reproduces_the_live_engine(embedded_store, tmp_path, device_f
   cap = max(1, int(host_fraction * 32))
   assert simulate(trace, "belady", per_layer=cap)["misses"] <= simulate(trace, "lru",
                                                                         per_layer=cap)["misses"]
+
+
+def test_the_engine_and_its_simulator_share_the_tier_rules(embedded_store, tmp_path,
+                                                           monkeypatch):
+  """A live run and its trace replayed under policy="engine" call the one `TierRules.lookup`
+  and `lfru_admissions`, with the same arguments and the same outcomes, step by step."""
+  assert engine_model.TierRules is rules.TierRules and issubclass(tiers.Tiers, rules.TierRules)
+  for rule in ("lookup", "settle", "admit"):  # the engine stores; it never restates a rule
+    assert rule not in vars(tiers.Tiers)
+  calls = {"lookup": [], "admit": []}
+  lookup, admissions = rules.TierRules.lookup, rules.lfru_admissions
+
+  def spy_lookup(self, layer, union):
+    out = lookup(self, layer, union)
+    if union:  # a precompile step's all-padding rows route nothing
+      calls["lookup"].append((layer, list(union), out))
+    return out
+
+  def spy_admissions(pins, heat, union, candidates):
+    for admitted in admissions(pins, heat, union, candidates):  # lazily: each is assigned first
+      calls["admit"].append((pins.layer, admitted))
+      yield admitted
+
+  monkeypatch.setattr(rules.TierRules, "lookup", spy_lookup)
+  monkeypatch.setattr(rules, "lfru_admissions", spy_admissions)
+  total = store_geometry(embedded_store)["expert_bytes_total"]
+  path = _fresh_store(embedded_store, tmp_path / "store")
+  with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0.3 * total / GB,
+                   host_cache_gb=0.2 * total / GB) as m:
+    out = str(tmp_path / "trace")
+    m.generate(PROMPT, 10, stop_ids=[], trace=out)
+  live = {k: list(v) for k, v in calls.items()}
+  for v in calls.values():
+    v.clear()
+  sim = simulate(Trace.open(out), "engine")
+  assert live["lookup"] and live["admit"]  # both tiers were exercised, pins swapped
+  assert calls == live
+  assert sim["misses"] == sum(len(o[2]) for _, _, o in live["lookup"])
 
 
 def test_live_trace_of_a_resident_model_matches_teacher_forced_routing(tmp_path):

@@ -148,7 +148,7 @@ def test_policies_match_reference(policy):
 
 
 def test_lru_matches_the_engine_host_cache():
-  from glmjax.offload.tiers import HostCache
+  from glmjax.offload.rules import HostCache
   t = random_trace(11, n=200, e=10, k=3)
   for cap in (2, 4, 6):
     host, misses = HostCache(cap), 0  # one byte per expert: the budget counts slots

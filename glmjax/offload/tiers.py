@@ -1,6 +1,9 @@
-"""Cache tiers of the offload engine: the device-resident pinned pool and the host LRU.
+"""Cache tiers of the offload engine: the device-resident pinned pools (`DevicePool`; on a mesh
+`MeshPins`), the host LRU's storage (`HostSlabs`), LFRU heat (`Heat`), and `Tiers`, which runs
+the shared tier rules (glmjax.offload.rules.TierRules) over these bytes.
 
-Both are bookkeeping plus storage; neither does I/O. Keys are (layer, expert).
+Storage only: the rules are glmjax.offload.rules', and nothing here does I/O. Keys are
+(layer, expert).
 """
 
 from __future__ import annotations
@@ -13,68 +16,14 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glmjax.model.quant import ExpertPool, ExpertWeights
+from glmjax.offload.rules import HostCache, PinSlots, TierRules
+from glmjax.sharding import axis_size
 
-# LFRU re-pin hysteresis: a candidate replaces the coldest pinned expert only when its heat
-# exceeds the incumbent's by 25% plus 4 uses, so two near-equal experts never ping-pong.
-REPIN_RATIO = 1.25
-REPIN_MARGIN = 4.0
 # Heat is a use count that decays by this factor per decode step (recency in LFRU).
 HEAT_DECAY = 0.995
-
-
-class HostCache:
-  """LRU bookkeeping of host-cached experts under a byte budget (0 disables it).
-
-  Keys only: the bytes live in `HostSlabs`. Keeping the policy apart from the storage lets the
-  engine and the simulator (glmjax.replay) run the very same rule.
-  """
-
-  def __init__(self, budget_bytes: int):
-    self.budget = int(budget_bytes)
-    self.used = 0
-    self._items: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
-
-  def __contains__(self, key) -> bool:
-    return key in self._items
-
-  def __len__(self) -> int:
-    return len(self._items)
-
-  def touch(self, key) -> bool:
-    """A hit marks `key` most recently used; False on a miss."""
-    if key not in self._items:
-      return False
-    self._items.move_to_end(key)
-    return True
-
-  def put(self, key, nbytes: int, protect=()) -> list:
-    """Inserts `key` (`nbytes` large), evicting least recently used entries (never those in
-    `protect`) to stay within the budget. Returns the evicted keys; `key` is not inserted
-    (check `key in cache`) if no room can be made.
-    """
-    if key in self._items:
-      self._items.move_to_end(key)
-      return []
-    victims, room = [], self.budget - self.used
-    for k, v in self._items.items():  # least recently used first
-      if room >= nbytes:
-        break
-      if k not in protect:
-        victims.append(k)
-        room += v
-    if room < nbytes:
-      return []
-    for k in victims:
-      self.used -= self._items.pop(k)
-    self._items[key] = int(nbytes)
-    self.used += int(nbytes)
-    return victims
-
-  def keys(self) -> list:
-    """Keys from least to most recently used."""
-    return list(self._items)
 
 
 WRITE_BATCH = 8  # experts per slab write: few calls per layer step, a small transient
@@ -220,11 +169,6 @@ def atomic_write(path: str, write) -> bool:
       os.unlink(tmp)
 
 
-def should_repin(candidate_heat: float, incumbent_heat: float) -> bool:
-  """The LFRU hysteresis rule."""
-  return candidate_heat > REPIN_RATIO * incumbent_heat + REPIN_MARGIN
-
-
 # The pool is donated: an install writes one expert's bytes in place instead of copying the
 # whole layer pool.
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -274,64 +218,6 @@ def cpu_device():
   return jax.devices("cpu")[0]
 
 
-class PinSlots:
-  """The slot bookkeeping of one MoE layer's pin tier: `slots` fixed slots, expert ↔ slot.
-
-  Storage-free, so the simulator (glmjax.replay) runs the engine's pin rule exactly."""
-
-  def __init__(self, layer: int, slots: int, table: np.ndarray | None = None):
-    self.layer = layer
-    self.slots = slots
-    self.slot_of: dict[int, int] = {}
-    self.expert_in: list[int | None] = [None] * slots
-    self.table = table  # optional [E] slot per expert (-1: not pinned), kept current
-
-  def __contains__(self, expert: int) -> bool:
-    return expert in self.slot_of
-
-  def free_slot(self) -> int | None:
-    for s, e in enumerate(self.expert_in):
-      if e is None:
-        return s
-    return None
-
-  def assign(self, expert: int, slot: int) -> None:
-    """Records `expert` in `slot`, evicting whatever was there."""
-    old = self.expert_in[slot]
-    if old is not None:
-      del self.slot_of[old]
-      if self.table is not None:
-        self.table[old] = -1
-    self.slot_of[expert] = slot
-    self.expert_in[slot] = expert
-    if self.table is not None:
-      self.table[expert] = slot
-
-  def coldest(self, heat: Heat) -> tuple[int, int] | None:
-    """(slot, expert) of the least heated pinned expert (ties: the lowest slot)."""
-    live = [(heat[(self.layer, e)], s, e) for s, e in enumerate(self.expert_in) if e is not None]
-    if not live:
-      return None
-    _, s, e = min(live)
-    return s, e
-
-
-def lfru_admissions(pins: PinSlots, heat: Heat, union, candidates):
-  """The LFRU rule: yields (expert, slot, repinned) for just-used `candidates` (in union order),
-  hottest first: a free slot, else the coldest incumbent's slot when `should_repin` says so
-  (never an expert the current union uses). The caller assigns each before the next."""
-  for e in sorted(candidates, key=lambda e: -heat[(pins.layer, e)]):  # stable: union order
-    slot = pins.free_slot()
-    if slot is not None:
-      yield e, slot, False
-      continue
-    cold = pins.coldest(heat)
-    if cold is None or cold[1] in union or not should_repin(heat[(pins.layer, e)],
-                                                           heat[(pins.layer, cold[1])]):
-      continue
-    yield e, cold[0], True
-
-
 class DevicePool(PinSlots):
   """One MoE layer's pinned experts on the device: the slots and their pool `[S, ...]`."""
 
@@ -379,3 +265,111 @@ def as_device_pool(weights: list[ExpertWeights]) -> ExpertPool:
 
   return ExpertPool(q("gate_up"), q("down"))
 
+
+
+class MeshPins:
+  """One MoE layer's pin tier on a mesh: a DevicePool per device of the `expert` axis, each
+  holding only experts that device owns (expert e belongs to block e // (E/n), the plan's
+  contiguous split). The pools share one `[E]` table row (an expert's slot in its owner's pool).
+  The pinned terms run on the mesh over the pools assembled, without a copy, into one pool
+  `[n·S, ...]` split along `expert` (device d holds global slots d·S .. d·S+S-1)."""
+
+  def __init__(self, layer: int, slots: int, layout, mesh, n_experts: int, table: np.ndarray):
+    self.layer, self.slots, self.mesh = layer, slots, mesh
+    n = axis_size(mesh, "expert")
+    self.block = n_experts // n
+    ax = mesh.axis_names.index("expert")
+    self.shards = []
+    for d in range(n):  # the devices at expert index d hold pool d (replicated over other axes)
+      sub = Mesh(np.take(mesh.devices, [d], axis=ax), mesh.axis_names)
+      pool = jax.device_put(empty_pool(layout, slots), NamedSharding(sub, P()))
+      self.shards.append(DevicePool(layer, slots, pool, table))
+
+  def owner(self, e: int) -> int:
+    """The device index (along `expert`) that owns expert `e`."""
+    return e // self.block
+
+  def shard(self, e: int) -> DevicePool:
+    return self.shards[self.owner(e)]
+
+  def __contains__(self, e: int) -> bool:
+    return e in self.shard(e)
+
+  def global_slot(self, e: int) -> int:
+    return self.owner(e) * self.slots + self.shard(e).slot_of[e]
+
+  @property
+  def expert_in(self) -> list:
+    return [e for d in self.shards for e in d.expert_in]
+
+  def pool(self) -> ExpertPool:
+    """The shards' pools as one pool `[n·S, ...]` split along `expert` (no copy; rebuilt per
+    step, since an install donates a shard's buffers)."""
+    sharding = NamedSharding(self.mesh, P("expert"))
+
+    def whole(*leaves):
+      arrays = [s.data for leaf in leaves for s in leaf.addressable_shards]
+      return jax.make_array_from_single_device_arrays(
+          (len(leaves) * leaves[0].shape[0], *leaves[0].shape[1:]), sharding, arrays)
+    return jax.tree_util.tree_map(whole, *[d.pool for d in self.shards])
+
+
+class Tiers(TierRules):
+  """The engine's two cache tiers over their bytes: the pin pools (`device`, layer →
+  DevicePool or MeshPins; `pin_tables` `[L, E]` their slots), the host LRU (`host`) with its
+  slabs (`slabs`), LFRU heat and the tier counters. The rules are `TierRules`' (shared with the
+  simulator); this class only stores what they decide. `on_evict(keys)` hears of host
+  evictions (the prefetcher counts a landed prefetch evicted unused as wasted)."""
+
+  def __init__(self, device: dict, host: HostCache, slabs: HostSlabs, pin_tables: np.ndarray,
+               heat: Heat, chunk_bytes: int, stats):
+    super().__init__(device, host, heat, chunk_bytes, stats)
+    self.device, self.slabs, self.pin_tables = device, slabs, pin_tables
+    self.on_evict = lambda keys: None
+
+  def pin_pool(self, layer: int, e: int) -> DevicePool | None:
+    """The pool that may hold expert `e` of `layer` (on a mesh: its owner's), or None."""
+    dev = self.device.get(layer)
+    return dev.shard(e) if isinstance(dev, MeshPins) else dev
+
+  def holds(self, layer: int, e: int) -> bool:
+    """Whether a tier holds expert `e` of `layer`."""
+    dev = self.device.get(layer)
+    return (dev is not None and e in dev) or (layer, e) in self.host
+
+  def put_host(self, key, blob: np.ndarray, protect=()) -> None:
+    """`key`'s chunk into the host cache (the LRU rule evicts outside `protect`); its bytes
+    are written to the slab by the next `slabs.flush`, before the slab is read."""
+    victims = self.host.put(key, blob.nbytes, protect)
+    for victim in victims:
+      self.slabs.release(victim)
+      self.on_evict([victim])
+    if key in self.host and key not in self.slabs.where:
+      self.slabs.store(key, blob)
+
+  def all_cached(self, layers) -> bool:
+    """Every routed expert of `layers` is held by a tier: no step can miss."""
+    return bool(((self.pin_tables[layers] >= 0) | (self.slabs.tables[layers] >= 0)).all())
+
+  # -- TierRules' storage hooks: `data` is (the misses' chunks, their unpacked weights) ---------
+  def insert_host(self, key, protect, data) -> None:
+    self.put_host(key, data[0][key[1]], protect)
+
+  def inserted(self) -> None:
+    self.slabs.flush()
+
+  def pin_groups(self, layer: int, candidates) -> list:
+    dev = self.device.get(layer)
+    if isinstance(dev, MeshPins):  # each device's pool admits only experts it owns
+      return [(shard, [e for e in candidates if dev.owner(e) == d])
+              for d, shard in enumerate(dev.shards)]
+    return super().pin_groups(layer, candidates)
+
+  def install(self, pool: DevicePool, layer: int, e: int, slot: int, data) -> None:
+    """A just-read miss from its unpacked weights, a host-cached expert from its slab slot."""
+    weights = {} if data is None else data[1]
+    if e in weights:
+      pool.install(e, weights[e], slot)
+    else:
+      slab, source_slot = self.slabs.where[(layer, e)]
+      pool.install_from(e, slab.pool, source_slot, slot)

@@ -2,16 +2,17 @@
 exactly as glmjax.offload.engine applies them) and `policy="lfru"` (the pin rule alone, as a
 cache of `capacity` slots for the capacity sweeps).
 
-Both run the engine's classes (`HostCache`, `PinSlots`, `Heat`, `lfru_admissions`), not
-copies of their rules, so a change to the engine's policy changes the simulator with it.
+Both run the engine's rules (glmjax.offload.rules: `TierRules`, `HostCache`, `PinSlots`,
+`lfru_admissions`; `Heat`), not copies of them, so a change to the engine's policy changes the
+simulator with it.
 """
 
 from __future__ import annotations
 
-import numpy as np
 
 from glmjax.errors import InputError
-from glmjax.offload.tiers import Heat, HostCache, PinSlots, lfru_admissions, should_repin
+from glmjax.offload.rules import HostCache, PinSlots, TierRules, lfru_admissions
+from glmjax.offload.tiers import Heat
 from glmjax.replay.policies import Policy, register
 from glmjax.replay.trace import Trace
 
@@ -63,7 +64,8 @@ def simulate_engine(trace: Trace, *, device_cache_gb: float | None = None,
     for l in pins:
       for s, e in enumerate(heat.hottest(l, slots, n_exp)):
         pins[l].assign(e, s)
-  c = dict(pin_hits=0, host_hits=0, misses=0, repins=0)
+  c = dict(pin_hits=0, host_hits=0, misses=0)
+  rules = TierRules(pins, host, heat, chunk)  # the engine's lookups and end-of-step updates
   all_resident = slots == n_exp
   for unions in trace.step_unions(per_token):
     for layer, union in zip(layers, unions):
@@ -72,23 +74,14 @@ def simulate_engine(trace: Trace, *, device_cache_gb: float | None = None,
         c["pin_hits"] += len(union)
         continue
       heat.use(layer, union)
-      dev = pins.get(layer)
-      pinned = [e for e in union if dev is not None and e in dev]
-      rest = [e for e in union if e not in pinned]
-      cached = [e for e in rest if host.touch((layer, e))]
-      missed = [e for e in rest if e not in cached]
+      pinned, cached, missed = rules.lookup(layer, union)
       c["pin_hits"] += len(pinned)
       c["host_hits"] += len(cached)
       c["misses"] += len(missed)
-      protect = {(layer, e) for e in union}
-      for e in missed:
-        host.put((layer, e), chunk, protect)
-      if dev is not None:
-        for e, slot, repinned in lfru_admissions(dev, heat, union, rest):
-          dev.assign(e, slot)
-          c["repins"] += repinned
+      rules.settle(layer, union, pinned, missed)
     if not all_resident:
       heat.decay()
+  c["repins"] = rules.stats["repins"]
   hits = c["pin_hits"] + c["host_hits"]
   requests = hits + c["misses"]
   return {**c, "policy": "engine", "hits": hits, "requests": requests,

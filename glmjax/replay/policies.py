@@ -9,7 +9,7 @@ for MoE layer index j. The simulator drives it (see `glmjax.replay.simulate`):
   p.stats()                          # extra counters merged into simulate's result
 
 `admit` never evicts a key in `protect` (the union being served) and skips a key for which no
-room can be made (it was streamed through), like `glmjax.offload.tiers.HostCache.put`.
+room can be made (it was streamed through), like `glmjax.offload.rules.HostCache.put`.
 New policies register themselves in `POLICIES` with `@register("name")`.
 """
 

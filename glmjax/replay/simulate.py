@@ -15,11 +15,13 @@ draft window). Plain decode steps fetch nothing under it; it needs a live specul
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
 
 from glmjax.errors import InputError
+from glmjax.offload.rules import PrefetchLedger, couple_top, land_free, learn_couple, pilot_union
 from glmjax.replay.policies import POLICIES
 from glmjax.replay.trace import Trace
 
@@ -114,17 +116,11 @@ def _sequence_ranks(first: np.ndarray, succ: np.ndarray) -> np.ndarray:
 def _ranked_csr(step: np.ndarray, n_steps: int, ids: np.ndarray, take: np.ndarray,
                 n_experts: int) -> tuple[list[int], list[int]]:
   """Per request (step * L + j): the keys of the ids [N, L, P] with `take` set, over the
-  step's positions, best (lowest) rank first, ties by id. Ids < 0 are skipped."""
+  step's positions (the pilot's union, `pilot_union`), best (lowest) rank first, ties by id.
+  Ids < 0 are skipped."""
   n, l, p = ids.shape
-  rank = np.broadcast_to(np.arange(p), ids.shape)
-  req = np.broadcast_to(step[:, None, None] * l + np.arange(l)[None, :, None], ids.shape)
-  sel = take & (ids >= 0)
-  req, rank, ids = req[sel], rank[sel], ids[sel].astype(np.int64)
-  o = np.lexsort((rank, ids, req))  # one entry per (request, id): its best rank
-  req, rank, ids = req[o], rank[o], ids[o]
-  first = np.ones(len(req), bool)
-  first[1:] = (req[1:] != req[:-1]) | (ids[1:] != ids[:-1])
-  req, rank, ids = req[first], rank[first], ids[first]
+  req = (step[:, None] * l + np.arange(l)[None, :]).reshape(-1)  # [N * L] request of each row
+  req, ids, rank = pilot_union(ids.reshape(n * l, p), np.reshape(take, (n * l, p)), group=req)
   o = np.lexsort((ids, rank, req))
   req, ids = req[o], ids[o]
   off = np.searchsorted(req, np.arange(n_steps * l + 1))
@@ -213,17 +209,42 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
   if land not in ("evict", "free"):
     raise InputError(f"land must be 'evict' or 'free', got {land!r}")
   st = Stream.of(trace, per_token)
-  l, e = st.n_layers, st.n_experts
+  l = st.n_layers
   cls = POLICIES[policy]
   if total is None:
     caches = [cls(int(per_layer), st, [j]) for j in range(l)]
   else:
     caches = [cls(int(total), st, list(range(l)))] * l  # one cache, reached from every layer
-  keys, off = st.keys, st.offsets
-  hits = misses = reads = 0
-  layer_misses = [0] * l
+  stats = collections.Counter()  # hits, misses, reads and the prefetch_* counters
+  pf = None
+  if prefetch:
+    in_time = None if io_per_layer is None else int(io_per_layer) // trace.expert_bytes
+    pf = _Prefetcher(st, caches, _candidates(trace, st, prefetch, pilot_k, mass),
+                     couple_k if "couple" in prefetch else 0, land, in_time, stats)
+  owners = caches if total is None else caches[:1]  # each cache once
+  layer_misses = _replay(st, caches, owners, pf, stats)
+  stats["prefetch_wasted"] += 0 if pf is None else pf.ledger.unused()  # never requested
+  requests = stats["hits"] + stats["misses"]
+  extra: dict = {}  # a policy's own counters, summed over its caches
+  for c in owners:
+    for k, v in c.stats().items():
+      extra[k] = extra.get(k, 0) + v
+  return {**extra, "policy": policy, "capacity": int(per_layer if total is None else total),
+          "mode": "per_layer" if total is None else "total", "prefetch": list(prefetch),
+          "land": land, "per_token": bool(per_token), "steps": st.n_steps, "requests": requests,
+          "hits": stats["hits"], "misses": stats["misses"],
+          "hit_rate": stats["hits"] / requests if requests else 0.0,
+          "reads": stats["reads"], "bytes_read": stats["reads"] * trace.expert_bytes,
+          "expert_bytes": trace.expert_bytes, "prefetch_issued": stats["prefetch_issued"],
+          "prefetch_useful": stats["prefetch_useful"], "prefetch_late": stats["prefetch_late"],
+          "prefetch_wasted": stats["prefetch_wasted"], "layer_misses": layer_misses}
 
-  cand: list[tuple[list[int], list[int]]] = []  # per pilot-like model: ranked key CSR
+
+def _candidates(trace: Trace, st: Stream, prefetch, pilot_k: int, mass) -> list:
+  """Candidate generation: per pilot-like prefetch model, the ranked key CSR of what it
+  fetches for each request."""
+  cand: list[tuple[list[int], list[int]]] = []
+  e = st.n_experts
   if "pilot" in prefetch:
     take = np.broadcast_to(np.arange(trace.pilot.shape[2]) < pilot_k, trace.pilot.shape)
     cand.append(_ranked_csr(st.step_index, st.n_steps, trace.pilot, take, e))
@@ -234,13 +255,16 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
     take = np.broadcast_to(np.arange(trace.pilot.shape[2]) < pilot_k, trace.pilot.shape)
     take = take & _verify_rows(trace)[:, None, None]
     cand.append(_ranked_csr(st.step_index, st.n_steps, trace.pilot, take, e))
-  couple = np.zeros((max(l - 1, 0), e, e), np.int64) if "couple" in prefetch else None
-  in_time = None if io_per_layer is None else int(io_per_layer) // trace.expert_bytes
-  issued = useful = wasted = late_n = 0
-  pending: set[int] = set()  # prefetched, resident, not yet requested
-  late: set[int] = set()     # prefetched for the next request beyond the I/O budget
-  staged: set[int] = set()   # prefetched, no room to land: the next request's miss takes it
+  return cand
 
+
+def _replay(st: Stream, caches: list, owners: list, pf: "_Prefetcher | None",
+            stats) -> list[int]:
+  """Accounting: every request through its layer's cache (`caches[j]`; `owners`: each cache
+  once), in order, counting hits, misses and reads into `stats`, the prefetcher (if any)
+  served first and issuing after. Returns the misses per MoE layer."""
+  l, keys, off = st.n_layers, st.keys, st.offsets
+  layer_misses = [0] * l
   for q in range(st.n_requests):
     j = q % l
     cache = caches[j]
@@ -248,88 +272,90 @@ def simulate(trace: Trace, policy: str, *, per_layer: int | None = None,
     hit = cache.access(ks, q)
     missed = [k for k, h in zip(ks, hit) if not h]
     n_miss = len(missed)
-    reads += n_miss
-    if pending:
-      for k, h in zip(ks, hit):
-        if h and k in pending:
-          pending.discard(k)
-          if k in late:
-            n_miss += 1  # it was read, but arrives after the layer needed it
-            late_n += 1
-          else:
-            useful += 1
-    if staged:  # as the engine does: a read with no tier to go to serves the step's miss
-      for k in staged.intersection(missed):
-        reads -= 1  # counted when issued
-        if k in late:
-          late_n += 1
-        else:
-          useful += 1
-      wasted += len(staged.difference(missed))
-      staged.clear()
-    late.clear()
-    misses += n_miss
-    hits += len(ks) - n_miss
+    stats["reads"] += n_miss
+    if pf is not None:
+      n_miss += pf.served(j, ks, hit, missed)
+    stats["misses"] += n_miss
+    stats["hits"] += len(ks) - n_miss
     layer_misses[j] += n_miss
-    protect = set(ks) if missed or prefetch else ()
+    protect = set(ks) if missed or pf is not None else ()
     if missed:
-      for v in cache.admit(missed, q, protect):
-        if v in pending:
-          pending.discard(v)
-          wasted += 1
+      evicted = cache.admit(missed, q, protect)
+      if pf is not None:
+        pf.ledger.evicted(evicted)
+    if pf is not None:
+      pf.issue(q, j, ks, protect)
+    if j == l - 1:
+      for c in owners:
+        c.end_step(q // l)
+  return layer_misses
 
-    if couple is not None:
+
+class _Prefetcher:
+  """The engine's prefetch rules (glmjax.offload.rules) over a stream: after layer j is
+  served, the candidates for layer j+1 (`cand`, ranked key CSRs, then co-activation's top
+  `couple_k`, learned online) are fetched into layer j+1's cache, by the policy's own rule
+  (land="evict") or into free room only (land="free", `land_free`); one with no room is held
+  for layer j+1's request (`PrefetchLedger`), whose miss takes it and which drops the rest.
+  Fetches beyond `in_time` per layer arrive late."""
+
+  def __init__(self, st: Stream, caches: list, cand: list, couple_k: int, land: str, in_time,
+               stats):
+    self.st, self.caches, self.cand, self.couple_k = st, caches, cand, couple_k
+    self.land, self.in_time, self.stats = land, in_time, stats
+    l, e = st.n_layers, st.n_experts
+    self.couple = np.zeros((max(l - 1, 0), e, e), np.int64) if couple_k else None
+    self.ledger = PrefetchLedger(stats, layer_of=lambda key: key // e)
+    self.late: set[int] = set()  # fetched for the next request beyond the I/O budget
+
+  def served(self, j: int, ks, hit, missed) -> int:
+    """Request (layer j, keys `ks`) was served: landed fetches it hit are useful (late ones
+    still missed), held ones its misses take instead of reading again, and the rest of the
+    held ones expire. Returns the extra misses (late arrivals)."""
+    n_late = self.ledger.used([k for k, h in zip(ks, hit) if h], self.late)
+    for k in missed:
+      if k in self.ledger.pending:  # as the engine does: a held read serves the step's miss
+        self.stats["reads"] -= 1  # counted when issued
+        self.ledger.take(k, "late" if k in self.late else "useful")
+    self.ledger.expire(j)
+    self.late.clear()
+    return n_late
+
+  def issue(self, q: int, j: int, ks, protect) -> None:
+    """Fetches layer j+1's candidates after request q (layer j, keys `ks`)."""
+    e, l = self.st.n_experts, self.st.n_layers
+    if self.couple is not None:
       cur = np.asarray(ks) - j * e  # this union's expert ids
       if j >= 1:  # learn layer j-1 → j from this step, before predicting j+1
-        prev = np.asarray(keys[off[q - 1]:off[q]]) - (j - 1) * e
-        couple[j - 1][np.ix_(prev, cur)] += 1
-    if prefetch and j + 1 < l:
-      want: list[int] = []
-      for ck, co in cand:
-        want += ck[co[q + 1]:co[q + 2]]
-      if couple is not None:
-        score = couple[j][cur].sum(0)
-        top = np.argsort(-score, kind="stable")[:couple_k]
-        want += (top[score[top] > 0] + (j + 1) * e).tolist()
-      # Prefetches go to layer j+1's cache; `protect` (layer j's union) only matters when
-      # the cache is shared (total=).
-      nxt = caches[j + 1]
-      todo = [k for k in dict.fromkeys(want) if k not in nxt]  # ranked, deduplicated
-      if todo:
-        issued += len(todo)
-        reads += len(todo)
-        room = todo if land == "evict" else todo[:max(nxt.capacity - len(nxt), 0)]
-        for v in nxt.admit(room, q, protect, prefetch=True):
-          if v in pending:
-            pending.discard(v)
-            wasted += 1
-        for i, k in enumerate(todo):
-          if k in nxt:
-            pending.add(k)
-            if in_time is not None and i >= in_time:
-              late.add(k)
-          else:  # no room: held for layer j+1's request, the next one
-            staged.add(k)
-            if in_time is not None and i >= in_time:
-              late.add(k)
-    if j == l - 1:
-      for c in (caches if total is None else caches[:1]):
-        c.end_step(q // l)
-
-  wasted += len(pending) + len(staged)  # never requested by the end
-  requests = hits + misses
-  extra: dict = {}  # a policy's own counters, summed over its caches
-  for c in (caches if total is None else caches[:1]):
-    for k, v in c.stats().items():
-      extra[k] = extra.get(k, 0) + v
-  return {**extra, "policy": policy, "capacity": int(per_layer if total is None else total),
-          "mode": "per_layer" if total is None else "total", "prefetch": list(prefetch),
-          "land": land, "per_token": bool(per_token), "steps": st.n_steps, "requests": requests,
-          "hits": hits, "misses": misses, "hit_rate": hits / requests if requests else 0.0,
-          "reads": reads, "bytes_read": reads * trace.expert_bytes,
-          "expert_bytes": trace.expert_bytes, "prefetch_issued": issued,
-          "prefetch_useful": useful, "prefetch_late": late_n, "prefetch_wasted": wasted,
-          "layer_misses": layer_misses}
+        prev = np.asarray(self.st.keys[self.st.offsets[q - 1]:self.st.offsets[q]]) - (j - 1) * e
+        learn_couple(self.couple[j - 1], prev, cur)
+    if j + 1 >= l:
+      return
+    want: list[int] = []
+    for ck, co in self.cand:
+      want += ck[co[q + 1]:co[q + 2]]
+    if self.couple is not None:
+      want += [x + (j + 1) * e for x in couple_top(self.couple[j], cur, self.couple_k)]
+    # Prefetches go to layer j+1's cache; `protect` (layer j's union) only matters when the
+    # cache is shared (total=).
+    nxt = self.caches[j + 1]
+    todo = [k for k in dict.fromkeys(want) if k not in nxt]  # ranked, deduplicated
+    if not todo:
+      return
+    self.stats["reads"] += len(todo)
+    for k in todo:
+      self.ledger.issue(k)
+    landing = todo  # "evict": admitted by the policy's rule, as a miss would be
+    if self.land == "free":
+      free, landing = max(nxt.capacity - len(nxt), 0), []
+      land_free(todo, lambda k: len(landing) < free, landing.append)
+    self.ledger.evicted(nxt.admit(landing, q, protect, prefetch=True))
+    for i, k in enumerate(todo):
+      if k in nxt:
+        self.ledger.resolve(k, "landed")
+      # else no room: held for layer j+1's request, the next one
+      if self.in_time is not None and i >= self.in_time:
+        self.late.add(k)
 
 
 def prediction_mask(trace: Trace, pilot_k: int | None = None,

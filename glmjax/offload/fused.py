@@ -1,0 +1,204 @@
+"""The offload engine's fused step: the one forward pass in one jit over the CPU-resident tiers
+(the pin pools and the host slab, addressed through slot tables), for a step whose experts are
+(probably) all held, with no host round trip per layer. Its tier bookkeeping is the layer
+path's own rules (`TierRules.lookup` and `TierRules.admit`), applied after the step from its
+routing record.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.model.config import Config
+from glmjax.model.forward import forward, fresh_start, valid_rows
+from glmjax.model.layers import F32
+from glmjax.model.moe import pool_terms
+from glmjax.model.weights import Weights
+from glmjax.offload.prefetch import Prefetcher
+from glmjax.offload.provider import Placement
+from glmjax.offload.tiers import Tiers
+
+# A step of more tokens than this runs fused only when the tiers hold every expert.
+FUSED_GUESS_TOKENS = 16
+
+
+def _tier_terms(flat, valid, ids, pool, table):
+  """Terms of the experts `table` `[E]` (slot, or -1) places in `pool`: (terms, found `[T, K]`)."""
+  slots = table[ids]  # [T, K]
+  found = slots >= 0
+  return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "impl"),
+                   donate_argnames=("cache",))
+def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cfg: Config,
+                  absorbed: bool, impl: str = "sparse"):
+  """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
+  (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
+  through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
+  "host" `[L, E]`), with no host round trip.
+
+  Returns (logits, hidden, cache, record): `record` is one int32 vector, the concatenation of
+  missing `[M]` (per MoE layer, the real (token, rank) pairs whose expert no tier held) and
+  ids `[M, T, K]`.
+  A step with anything missing is void; the caller re-runs it through the tiers (the cache
+  writes of this step sit past `length` and are rewritten).
+  """
+  ids_seen, missing = [], []
+
+  def provide(layer, m, chunks):
+    (r,) = chunks
+    flat, ids = r.flat, r.ids
+    valid = valid_rows(r.x.shape, r.n_valid, jnp)[:, None]  # [T, 1]
+    terms, found = jnp.zeros((*ids.shape, flat.shape[-1]), F32), jnp.zeros(ids.shape, bool)
+    if tiers["slab"] is not None:
+      terms, found = _tier_terms(flat, valid, ids, tiers["slab"], tiers["host"][layer])
+    if layer in tiers["pins"]:
+      pinned, on_pin = _tier_terms(flat, valid, ids, tiers["pins"][layer], tiers["pin"][layer])
+      terms, found = jnp.where(on_pin[..., None], pinned, terms), found | on_pin
+    ids_seen.append(ids)
+    missing.append(jnp.sum(valid & ~found))
+    yield terms
+
+  logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
+                             n_valid=n_valid, start=start, impl=impl)  # start: run-time, as the layer steps'
+  # One int32 vector, so the host fetches the whole record in one transfer.
+  record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
+                            jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
+  return logits, x, cache, record
+
+
+class FusedStep:
+  """Runs steps through `fused_forward` and settles their bookkeeping.
+
+  It needs every expert in CPU memory addressable by slot, and exact routing (`enabled`). It
+  is tried when the tiers hold every expert, or, for a step of at most FUSED_GUESS_TOKENS
+  tokens, after a step that missed nothing (`ready`): a cold cache does not pay for void
+  attempts, and neither does a long prefill, whose union is most of a layer's experts (a void
+  1024-token attempt cost 0.3 s). A step run while every expert is held cannot miss: it returns
+  without waiting for its record, which is settled (`unsettled`) at the engine's next call."""
+
+  def __init__(self, cfg: Config, dense: Weights, tiers: Tiers, prefetcher: Prefetcher,
+               placement: Placement, stats, layout, moe_layers: list[int], impl: str,
+               enabled: bool):
+    self.cfg, self.dense, self.tiers, self.prefetcher = cfg, dense, tiers, prefetcher
+    self.placement, self.stats, self.layout, self.moe_layers = placement, stats, layout, moe_layers
+    self.impl, self.enabled = impl, enabled
+    self.ready = False
+    self.unsettled = None  # (record, tokens, valid) of a step returned before its bookkeeping
+    self._compiled: dict = {}
+    self._zero = fresh_start()  # a cache-less fused step's start (see forward)
+    self._tables = None  # (host copy, device copy) of the pin and host slot tables
+
+  def worth_trying(self, n_tokens: int, all_cached: bool) -> bool:
+    """Whether a step of `n_tokens` tokens is tried fused."""
+    return self.enabled and ((self.ready and n_tokens <= FUSED_GUESS_TOKENS) or all_cached)
+
+  def run(self, tokens, cache, absorbed, n_valid, sure: bool = False):
+    """Tries the step as one jit over the tiers (`fused_forward`). On success applies the same
+    tier bookkeeping as the layer-by-layer path, layer by layer in union order, and returns
+    (output, None); when a routed expert was not cached returns (None, cache) to re-run."""
+    compiled, args = self.executable(tokens, cache, absorbed, n_valid)
+    logits, x, new_cache, record = compiled(*args)
+    valid = valid_rows(tokens.shape, n_valid)
+    if sure:  # nothing can be missing: settled later, so this call does not wait for the step
+      self.stats["fused_steps"] += 1
+      self.unsettled = (record, tokens.size, valid)
+      return (logits, x, new_cache), None
+    missed, ids = self._split_record(record, tokens.size)
+    if missed:
+      self.ready = False
+      self.stats["fused_void"] += 1
+      return None, new_cache
+    self.stats["fused_steps"] += 1
+    self._bookkeeping(ids, valid)
+    return (logits, x, new_cache), None
+
+  def executable(self, tokens, cache, absorbed, n_valid):
+    """(`fused_forward` compiled for this step's shapes, its arguments), compiled once per
+    shape ahead of the call, so its time is accounted apart (`fused_compile_s`)."""
+    n_layers = self.cfg.num_hidden_layers
+    slabs = self.tiers.slabs
+    slab = slabs.slabs.get(self.layout)
+    dev = jax.devices()[0]
+    tables = np.stack([self.tiers.pin_tables[:n_layers], slabs.tables[:n_layers]])
+    if self._tables is None or not np.array_equal(self._tables[0], tables):
+      # uploaded when the tiers changed (two arrays: indexing a device array is a dispatch)
+      self._tables = (tables, *jax.device_put((tables[0], tables[1]), dev))
+    tiers = {
+        "pins": {l: d.pool for l, d in self.tiers.device.items() if l < n_layers},
+        "pin": self._tables[1],
+        "slab": None if slab is None else slab.pool,
+        "host": self._tables[2],
+    }
+    nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
+    args = (self.dense, tokens, cache, nv, tiers, self._zero)
+    static = dict(cfg=self.cfg, absorbed=absorbed, impl=self.impl)
+    # Everything else in the signature is fixed for the engine's life (the slab is allocated
+    # whole, the pin pools have fixed slots).
+    key = (tokens.shape, None if cache is None else (cache.layers[0].latent.shape,
+                                                     cache.pages.shape),
+           None if nv is None else nv.shape, slab is None, absorbed)
+    if key not in self._compiled:
+      t0 = time.perf_counter()
+      self._compiled[key] = fused_forward.lower(*args, **static).compile()
+      self.stats["fused_compile_s"] += time.perf_counter() - t0
+    return self._compiled[key], args
+
+  def _split_record(self, record, n_tokens: int) -> tuple[bool, np.ndarray]:
+    """`fused_forward`'s record → (whether any pair missed, ids `[M, T, K]`)."""
+    record, m = np.asarray(record), len(self.moe_layers)
+    return bool(record[:m].any()), record[m:].reshape(m, n_tokens, -1)
+
+  def settle(self) -> None:
+    """Applies the bookkeeping of a step that was returned unsettled (every expert held, so it
+    could not miss)."""
+    if self.unsettled is None:
+      return
+    record, n_tokens, valid = self.unsettled
+    self.unsettled = None
+    missed, ids = self._split_record(record, n_tokens)
+    if missed:  # the tiers held every expert and nothing evicts between steps
+      raise RuntimeError("internal: a fused step run with every expert held missed one")
+    self._bookkeeping(ids, valid)
+    self.tiers.heat.decay()  # the step's own decay, after its uses, as a settled step has it
+
+  def _bookkeeping(self, ids_all: np.ndarray, valid: np.ndarray) -> None:
+    """A fused step's tier bookkeeping: per MoE layer in union order, the lookups, counters,
+    heat, LRU recency and pin admissions of the layer steps (the shared `TierRules.lookup` and
+    `TierRules.admit`).
+
+    Fused steps predict nothing: a pilot or co-activation hint computed after the step would
+    name the experts the step has just been served. Prefetches issued by earlier layer steps
+    land once, before the step's lookups, into free room only (they never evict)."""
+    unions = [np.unique(ids[valid]).tolist() for ids in ids_all]
+    pf = self.prefetcher
+    if pf.inflight:  # lands into free room only: nothing the step used is evicted
+      pf.land()
+    n = collections.Counter()
+    for layer, union in zip(self.moe_layers, unions):
+      pf.pilot_pred.pop(layer, None)
+      self.tiers.heat.use(layer, union)
+      pinned, cached, missing = self.tiers.lookup(layer, union)
+      if missing:  # admissions copy slab → pin and landings only fill free room: never evicted
+        raise RuntimeError(f"internal: layer {layer} expert {missing[0]} served by a fused step "
+                           "is in no tier")
+      if pf.inflight:
+        pf.expire(layer)
+      pf.ledger.used([(layer, e) for e in union])
+      n["used"] += len(union)
+      n["pinned"] += len(pinned)
+      n["cached"] += len(cached)
+      self.tiers.admit(layer, union, cached)  # from their host slab slots
+    on_device = self.placement.place(n["cached"])
+    self.stats["experts_used"] += n["used"]
+    self.stats["expert_pin_hits"] += n["pinned"]
+    self.stats["expert_host_hits"] += n["cached"]
+    self.stats["experts_on_device"] += n["pinned"] + (n["cached"] if on_device else 0)
+    self.stats["experts_on_host"] += 0 if on_device else n["cached"]

@@ -1,0 +1,338 @@
+"""The expert-cache rules, written once: the offload engine runs them over its bytes and the
+replay simulator (glmjax.replay) runs them as they are, so a change to a rule changes both.
+
+Bookkeeping over keys only (no bytes, threads or files):
+- the host LRU (`HostCache`) and a pin pool's slots (`PinSlots`);
+- a layer step's lookups and end-of-step admissions in union order, never in read completion
+  order (`TierRules`): pin, then host, else a miss; the misses into the host cache (never
+  evicting a member of the union); then the unpinned experts offered to the pin pool by LFRU,
+  hottest first with hysteresis (`lfru_admissions`, `should_repin`);
+- what becomes of a prefetched read (`PrefetchLedger`): it lands only into free room
+  (`land_free`), else it is held for its layer's next step, whose miss takes it and which drops
+  the held reads it did not use (the held-prefetch expiry);
+- what is predicted: the pilot's union over a step's positions (`pilot_union`) and
+  co-activation (`couple_top`, learned by `learn_couple`).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+# LFRU re-pin hysteresis: a candidate replaces the coldest pinned expert only when its heat
+# exceeds the incumbent's by 25% plus 4 uses, so two near-equal experts never ping-pong.
+REPIN_RATIO = 1.25
+REPIN_MARGIN = 4.0
+
+
+class HostCache:
+  """LRU bookkeeping of host-cached experts under a byte budget (0 disables it).
+
+  Keys only: the bytes live in `glmjax.offload.tiers.HostSlabs`. Keeping the policy apart from
+  the storage lets the engine and the simulator (glmjax.replay) run the very same rule.
+  """
+
+  def __init__(self, budget_bytes: int):
+    self.budget = int(budget_bytes)
+    self.used = 0
+    self._items: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+
+  def __contains__(self, key) -> bool:
+    return key in self._items
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def touch(self, key) -> bool:
+    """A hit marks `key` most recently used; False on a miss."""
+    if key not in self._items:
+      return False
+    self._items.move_to_end(key)
+    return True
+
+  def put(self, key, nbytes: int, protect=()) -> list:
+    """Inserts `key` (`nbytes` large), evicting least recently used entries (never those in
+    `protect`) to stay within the budget. Returns the evicted keys; `key` is not inserted
+    (check `key in cache`) if no room can be made.
+    """
+    if key in self._items:
+      self._items.move_to_end(key)
+      return []
+    victims, room = [], self.budget - self.used
+    for k, v in self._items.items():  # least recently used first
+      if room >= nbytes:
+        break
+      if k not in protect:
+        victims.append(k)
+        room += v
+    if room < nbytes:
+      return []
+    for k in victims:
+      self.used -= self._items.pop(k)
+    self._items[key] = int(nbytes)
+    self.used += int(nbytes)
+    return victims
+
+  def has_room(self, nbytes: int) -> bool:
+    """Whether `nbytes` more fit in the unused budget, evicting nothing."""
+    return self.used + nbytes <= self.budget
+
+  def keys(self) -> list:
+    """Keys from least to most recently used."""
+    return list(self._items)
+
+
+class PinSlots:
+  """The slot bookkeeping of one MoE layer's pin tier: `slots` fixed slots, expert ↔ slot.
+
+  Storage-free, so the simulator (glmjax.replay) runs the engine's pin rule exactly."""
+
+  def __init__(self, layer: int, slots: int, table: np.ndarray | None = None):
+    self.layer = layer
+    self.slots = slots
+    self.slot_of: dict[int, int] = {}
+    self.expert_in: list[int | None] = [None] * slots
+    self.table = table  # optional [E] slot per expert (-1: not pinned), kept current
+
+  def __contains__(self, expert: int) -> bool:
+    return expert in self.slot_of
+
+  def free_slot(self) -> int | None:
+    for s, e in enumerate(self.expert_in):
+      if e is None:
+        return s
+    return None
+
+  def assign(self, expert: int, slot: int) -> None:
+    """Records `expert` in `slot`, evicting whatever was there."""
+    old = self.expert_in[slot]
+    if old is not None:
+      del self.slot_of[old]
+      if self.table is not None:
+        self.table[old] = -1
+    self.slot_of[expert] = slot
+    self.expert_in[slot] = expert
+    if self.table is not None:
+      self.table[expert] = slot
+
+  def coldest(self, heat) -> tuple[int, int] | None:
+    """(slot, expert) of the least heated pinned expert (ties: the lowest slot)."""
+    live = [(heat[(self.layer, e)], s, e) for s, e in enumerate(self.expert_in) if e is not None]
+    if not live:
+      return None
+    _, s, e = min(live)
+    return s, e
+
+
+def should_repin(candidate_heat: float, incumbent_heat: float) -> bool:
+  """The LFRU hysteresis rule."""
+  return candidate_heat > REPIN_RATIO * incumbent_heat + REPIN_MARGIN
+
+
+def lfru_admissions(pins: PinSlots, heat, union, candidates):
+  """The LFRU rule: yields (expert, slot, repinned) for just-used `candidates` (in union order),
+  hottest first: a free slot, else the coldest incumbent's slot when `should_repin` says so
+  (never an expert the current union uses). The caller assigns each before the next."""
+  for e in sorted(candidates, key=lambda e: -heat[(pins.layer, e)]):  # stable: union order
+    slot = pins.free_slot()
+    if slot is not None:
+      yield e, slot, False
+      continue
+    cold = pins.coldest(heat)
+    if cold is None or cold[1] in union or not should_repin(heat[(pins.layer, e)],
+                                                           heat[(pins.layer, cold[1])]):
+      continue
+    yield e, cold[0], True
+
+
+class TierRules:
+  """The two cache tiers' rules over bookkeeping alone: a pin pool per MoE layer (`pins`,
+  layer → `PinSlots` or a pool shaped like one), the host LRU (`host`) and LFRU heat (`heat`,
+  glmjax.offload.tiers.Heat). Re-pins are counted in `stats`.
+
+  The simulator's engine policy runs these as they are; the engine's `Tiers` runs them over
+  the bytes by overriding the storage hooks (`insert_host`, `inserted`, `pin_groups`,
+  `install`), never the rules."""
+
+  def __init__(self, pins: dict, host: HostCache, heat, chunk_bytes: int, stats=None):
+    self.pins, self.host, self.heat = pins, host, heat
+    self.chunk_bytes = int(chunk_bytes)
+    self.stats = collections.Counter() if stats is None else stats
+
+  def lookup(self, layer: int, union) -> tuple[list, list, list]:
+    """A layer step's lookups in union order: (pinned, host-cached, missing). A pinned expert
+    is served by its pool; otherwise a host hit becomes the most recently used entry; anything
+    else misses."""
+    pool = self.pins.get(layer)
+    pinned, cached, missing = [], [], []
+    for e in union:
+      if pool is not None and e in pool:
+        pinned.append(e)
+      elif self.host.touch((layer, e)):
+        cached.append(e)
+      else:
+        missing.append(e)
+    return pinned, cached, missing
+
+  def settle(self, layer: int, union, pinned, missed, data=None) -> None:
+    """A layer step's tier updates once it has been served, in union order whatever order its
+    reads completed in: each of the `missed` experts into the host cache (never evicting a
+    member of the union), then every unpinned member offered to the pin pool (`admit`).
+    `data` goes to the storage hooks (the engine: the misses' bytes and weights)."""
+    missed = set(missed)
+    protect = {(layer, e) for e in union}
+    for e in union:
+      if e in missed:
+        self.insert_host((layer, e), protect, data)
+    self.inserted()
+    self.admit(layer, union, [e for e in union if e not in pinned], data)
+
+  def admit(self, layer: int, union, candidates, data=None) -> None:
+    """Moves just-used `candidates` (in union order) into the pin pool: free slots first, then
+    LFRU swaps (`lfru_admissions`)."""
+    for pool, mine in self.pin_groups(layer, candidates):
+      for e, slot, repinned in lfru_admissions(pool, self.heat, union, mine):
+        self.stats["repins"] += repinned
+        self.install(pool, layer, e, slot, data)
+
+  # -- storage hooks (bookkeeping only here) --------------------------------------------------
+  def insert_host(self, key, protect, data) -> None:
+    """Puts `key` into the host cache, evicting least recently used entries outside `protect`."""
+    self.host.put(key, self.chunk_bytes, protect)
+
+  def inserted(self) -> None:
+    """Called once a step's host inserts are done, before its admissions."""
+
+  def pin_groups(self, layer: int, candidates) -> list:
+    """[(pool, its candidates)]: the pools that may admit `candidates` of `layer`."""
+    pool = self.pins.get(layer)
+    return [] if pool is None else [(pool, list(candidates))]
+
+  def install(self, pool, layer: int, e: int, slot: int, data) -> None:
+    """Records `e` in `slot` of `pool` (evicting whatever was there)."""
+    pool.assign(e, slot)
+
+
+def land_free(keys, room, store) -> list:
+  """The landing rule: each finished prefetch of `keys` (in order) lands only into free room.
+  `room(key)` says whether it fits without evicting anything (counting those landed before it);
+  if so `store(key)` puts it there, otherwise it is held, for its layer's next step (returned).
+  A prefetch never evicts: landing by eviction let wrong guesses push out what the next tokens
+  needed (BUILD_NOTES §12)."""
+  held = []
+  for key in keys:
+    if room(key):
+      store(key)
+    else:
+      held.append(key)
+  return held
+
+
+class PrefetchLedger:
+  """What becomes of each prefetched read. Keys are the caller's (the engine: (layer, expert);
+  the simulator: j·E + expert), `layer_of(key)` their layer, and `finished(handle)` whether a
+  pending read has finished (the simulator's reads always have). Counters go to `stats` as
+  prefetch_issued, prefetch_useful, prefetch_late, prefetch_failed and prefetch_wasted.
+
+  - An issued read waits in `pending` (key → the caller's handle) until it lands, into free
+    room only (`land_free`); one with no room stays pending, held for its layer's next step.
+  - That step's miss takes the held read instead of reading again (`take`); then the held reads
+    it did not use are dropped as wasted (`expire`: the held-prefetch expiry).
+  - A landed read (`landed`) is useful when a step uses it and wasted if it is evicted first
+    (`used`, `evicted`)."""
+
+  def __init__(self, stats, layer_of, finished=lambda handle: True):
+    self.stats, self.layer_of, self.finished = stats, layer_of, finished
+    self.pending: dict = {}
+    self.landed: set = set()
+
+  def issue(self, key, handle=None) -> None:
+    self.pending[key] = handle
+    self.stats["prefetch_issued"] += 1
+
+  def resolve(self, key, outcome: str):
+    """`key`'s read leaves `pending`: "landed" (stored; it waits to be used), or counted as
+    prefetch_`outcome` ("useful", "late", "failed", "wasted"). Returns its handle."""
+    handle = self.pending.pop(key)
+    if outcome == "landed":
+      self.landed.add(key)
+    else:
+      self.stats["prefetch_" + outcome] += 1
+    return handle
+
+  def take(self, key, outcome: str):
+    """A step's miss of `key` takes its pending read, if any, instead of reading again: useful,
+    or late when it had not finished by then (or failed). Returns the handle, or None."""
+    if key not in self.pending:
+      return None
+    return self.resolve(key, outcome)
+
+  def expire(self, layer: int, outcome=lambda handle: "wasted") -> list:
+    """The held-prefetch expiry: once `layer`'s step has taken what it used, its finished reads
+    still pending are dropped, counted by `outcome(handle)` (wasted, or failed). Returns their
+    [(key, handle)]."""
+    gone = [(k, h) for k, h in self.pending.items()
+            if self.layer_of(k) == layer and self.finished(h)]
+    for k, h in gone:
+      self.resolve(k, outcome(h))
+    return gone
+
+  def used(self, keys, late=()) -> int:
+    """Counts the landed reads among the `keys` a step used: useful, or late for those in
+    `late` (the read arrived after the step needed it; the step still missed). Returns how many
+    were late."""
+    n_late = 0
+    for k in keys:
+      if k in self.landed:
+        self.landed.discard(k)
+        if k in late:
+          self.stats["prefetch_late"] += 1
+          n_late += 1
+        else:
+          self.stats["prefetch_useful"] += 1
+    return n_late
+
+  def evicted(self, keys) -> None:
+    """Landed reads evicted before any step used them: wasted."""
+    for k in keys:
+      if k in self.landed:
+        self.landed.discard(k)
+        self.stats["prefetch_wasted"] += 1
+
+  def unused(self) -> int:
+    """Reads landed or held but not (yet) used."""
+    return len(self.landed) + len(self.pending)
+
+
+def pilot_union(ids, take=None, group=None):
+  """The pilot's union: per group of rows (a step's positions; the simulator's groups are its
+  requests), the distinct experts among each row's pilot ids `ids` `[R, P]` (rank order) where
+  `take` `[R, P]` (default all) is set; ids < 0 (no prediction) never count. Each expert comes
+  with its best (lowest) rank. Returns (group `[U]`, expert `[U]`, rank `[U]`), ordered by
+  group, then expert."""
+  ids = np.asarray(ids)
+  rank = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+  rows = np.zeros(ids.shape[0], np.int64) if group is None else np.asarray(group)
+  grp = np.broadcast_to(rows[:, None], ids.shape)
+  sel = ids >= 0 if take is None else np.asarray(take) & (ids >= 0)
+  grp, rank, ids = grp[sel], rank[sel], ids[sel].astype(np.int64)
+  o = np.lexsort((rank, ids, grp))  # one entry per (group, expert): its best rank first
+  grp, rank, ids = grp[o], rank[o], ids[o]
+  first = np.ones(len(grp), bool)
+  first[1:] = (grp[1:] != grp[:-1]) | (ids[1:] != ids[:-1])
+  return grp[first], ids[first], rank[first]
+
+
+def couple_top(table, union, k: int) -> list[int]:
+  """Co-activation prediction: the `k` next-layer experts most often used with this layer's
+  `union` (`table` `[E, E]`: counts this layer's expert → the next layer's), ties by the lower
+  id, none that was never used with it."""
+  score = table[union].sum(axis=0)
+  return [int(e) for e in np.argsort(-score, kind="stable")[:k] if score[e] > 0]
+
+
+def learn_couple(table, prev_union, union) -> None:
+  """Counts one co-activation of each expert of the previous layer's union (rows of `table`)
+  with each of this layer's (columns)."""
+  table[np.ix_(prev_union, union)] += 1

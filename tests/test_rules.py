@@ -1,0 +1,89 @@
+"""The prefetch rules are written once (glmjax.offload.rules): the offload engine and the replay
+simulator reach each of them through the same function, and agree on its outcome (the tier
+rules' test is tests/test_replay.py::test_the_engine_and_its_simulator_share_the_tier_rules)."""
+
+import concurrent.futures as cf
+import importlib
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+import glmjax
+from glmjax.offload import prefetch, rules
+from glmjax.offload.expert_io import PILOT
+from glmjax.replay import Trace, simulate
+
+GB = 1 << 30
+# the module (the package exports the function `simulate` under the same name)
+SIM = importlib.import_module("glmjax.replay.simulate")
+
+
+def test_the_prefetcher_and_its_simulator_share_landing_and_expiry(embedded_store, monkeypatch):
+  """With the cache full, a prediction of two experts of a layer lands nowhere (`land_free`),
+  the layer's next step takes the one it uses (`PrefetchLedger.take`, useful) and drops the
+  other (`PrefetchLedger.expire`, wasted): in the engine and in the simulator (land="free"),
+  through the same functions, with the same outcomes."""
+  assert prefetch.land_free is SIM.land_free is rules.land_free
+  assert prefetch.PrefetchLedger is SIM.PrefetchLedger is rules.PrefetchLedger
+  seen = []  # (who, rule, outcome in expert ids)
+  land_free, take, expire = rules.land_free, rules.PrefetchLedger.take, rules.PrefetchLedger.expire
+
+  def expert(key):  # the engine's keys are (layer, expert), the simulator's j·E + expert
+    return key[1] if isinstance(key, tuple) else key % 4
+
+  def spy_land(keys, room, store):
+    held = land_free(keys, room, store)
+    if held:
+      seen.append(("land_free", sorted(expert(k) for k in held)))
+    return held
+
+  def spy_take(self, key, outcome):
+    seen.append(("take", expert(key), outcome))
+    return take(self, key, outcome)
+
+  def spy_expire(self, layer, outcome=lambda handle: "wasted"):
+    gone = expire(self, layer, outcome)
+    if gone:
+      seen.append(("expire", sorted(expert(k) for k, _ in gone)))
+    return gone
+
+  for module in (prefetch, SIM):
+    monkeypatch.setattr(module, "land_free", spy_land)
+  monkeypatch.setattr(rules.PrefetchLedger, "take", spy_take)
+  monkeypatch.setattr(rules.PrefetchLedger, "expire", spy_expire)
+
+  # The engine: layer L's host cache full with experts 0 and 1; 2 and 3 predicted; the step
+  # uses 0, 1, 2 and 4 (its lookups land what has room: nothing).
+  with open(os.path.join(embedded_store, "manifest.json")) as f:
+    chunk = json.load(f)["experts"]["main"]["layout"]["nbytes"]
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
+                   host_cache_gb=2 * chunk / GB) as m:
+    eng = m.engine
+    layer = eng.moe_layers[0]
+    for x in (0, 1):
+      eng.tiers.put_host((layer, x), eng.store.read_chunk(layer, x))
+    eng.tiers.slabs.flush()
+    eng.prefetcher.pilot_k = eng.prefetcher.couple_k = 0  # the step predicts nothing more
+    eng.hint(layer, [2, 3], PILOT)
+    cf.wait([eng.prefetcher.inflight[(layer, g)][0] for g in (2, 3)])
+    k = m.config.num_experts_per_tok
+    ids = jnp.asarray([[2, 0, 1, *range(4, 4 + k - 3)]] * 4, jnp.int32)[:, :k]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, m.config.hidden_size)),
+                    jnp.float32)
+    from glmjax.model.forward import Routed
+    list(eng.provider.tiered(layer, eng.dense.layers[layer].mlp, [Routed(x[None], x, ids)]))
+  engine_seen = list(seen)
+  seen.clear()
+
+  # The simulator: layer 1 holds two experts, 0 and 1 (step 0); step 1's pilot predicts 2 and
+  # 3 for layer 1, whose request uses 0 and 2.
+  ids = np.asarray([[[0, 1], [0, 1]], [[0, 1], [0, 2]]])
+  pilot = np.full((2, 2, 2), -1)
+  pilot[1, 1] = [2, 3]
+  t = Trace.from_ids(ids, n_experts=4, pilot=pilot, expert_bytes=10)
+  r = simulate(t, "lru", per_layer=2, prefetch=("pilot",), pilot_k=2, land="free")
+  assert engine_seen == seen == [("land_free", [2, 3]), ("take", 2, "useful"),
+                                     ("expire", [3])]
+  assert (r["prefetch_issued"], r["prefetch_useful"], r["prefetch_wasted"]) == (2, 1, 1)
