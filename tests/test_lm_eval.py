@@ -11,15 +11,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-
 import numpy as np
 import pytest
-import uvicorn
 
 import glmjax
 from glmjax.serving.app import create_app
-from tests.test_serve import _free_port, _until
+from tests.test_serve import serving
 
 SOURCE = '''import os
 import sys
@@ -101,15 +98,8 @@ def _expected(model, docs) -> list[list[float]]:
 def server():
   model = glmjax.load(progress=False, max_context=256)
   app = create_app(model, max_batch=4, max_queue=8)  # no API key: lm-eval sends an empty one
-  port = _free_port()
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
-  _until(lambda: srv.started, "the server to start")
-  yield dict(model=model, base=f"http://127.0.0.1:{port}")
-  srv.should_exit = True
-  thread.join(timeout=30)
-  app.state.scheduler.close()
+  with serving(app) as port:
+    yield dict(model=model, base=f"http://127.0.0.1:{port}")
   model.close()
 
 

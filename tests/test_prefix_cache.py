@@ -105,27 +105,16 @@ def test_eviction_under_a_small_budget_keeps_results(model):
 
 
 def test_the_server_reports_cached_tokens(model):
-  import threading
-  import uvicorn
   from glmjax.serving.app import create_app
-  from tests.test_serve import _free_port, _until
+  from tests.test_serve import serving
   _, prompts = _prompts(model)
   app = create_app(model, max_batch=2, max_queue=4, kv_cache_gb=0.05)  # prefix cache: default
-  port = _free_port()
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
-  try:
-    _until(lambda: srv.started, "the server to start")
+  with serving(app) as port:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     got = [client.completions.create(model=app.state.model_name, prompt=p.tolist(),
                                      max_tokens=4, temperature=0) for p in prompts[:2]]
     assert [g.usage.prompt_tokens_details.cached_tokens for g in got] == [0, 512]
-    assert got[1].choices[0].text == model.generate(prompts[1], 4).text
-  finally:
-    srv.should_exit = True
-    thread.join(timeout=30)
-    app.state.scheduler.close()
+  assert got[1].choices[0].text == model.generate(prompts[1], 4).text
 
 
 def test_generate_with_the_prefix_cache_option(model):

@@ -46,21 +46,31 @@ def _until(cond, what: str, timeout: float = 60.0):
   raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def server():
-  model = glmjax.load(progress=False, max_context=256)  # a short batch cache: fast steps
-  app = create_app(model, max_batch=4, max_queue=4)
+@contextlib.contextmanager
+def serving(app):
+  """`app` served by uvicorn on a free loopback port, in a thread: yields the port; stops the
+  server and the app's scheduler on the way out."""
   port = _free_port()
   srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
   thread = threading.Thread(target=srv.run, daemon=True)
   thread.start()
-  _until(lambda: srv.started, "the server to start")
-  base = f"http://127.0.0.1:{port}"
-  yield dict(model=model, app=app, base=base, port=port, name=app.state.model_name,
-             client=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0))
-  srv.should_exit = True
-  thread.join(timeout=30)
-  app.state.scheduler.close()
+  try:
+    _until(lambda: srv.started, "the server to start")
+    yield port
+  finally:
+    srv.should_exit = True
+    thread.join(timeout=30)
+    app.state.scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+  model = glmjax.load(progress=False, max_context=256)  # a short batch cache: fast steps
+  app = create_app(model, max_batch=4, max_queue=4)
+  with serving(app) as port:
+    base = f"http://127.0.0.1:{port}"
+    yield dict(model=model, app=app, base=base, port=port, name=app.state.model_name,
+               client=openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0))
   model.close()
 
 

@@ -16,13 +16,12 @@ import threading
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import glmjax
 from glmjax.errors import InputError
 from glmjax.serving.app import create_app
 from glmjax.serving.guard import Guard, api_keys, is_loopback
-from tests.test_serve import _free_port, _until
+from tests.test_serve import _until, serving
 
 KEY = "sekrit-key"
 CODE = "import os\nimport sys\n\ndef main(argv):\n  for name in argv:\n    print(name)\n"
@@ -32,17 +31,10 @@ CODE = "import os\nimport sys\n\ndef main(argv):\n  for name in argv:\n    print
 def server():
   model = glmjax.load(progress=False, max_context=256)
   app = create_app(model, max_batch=4, max_queue=8, guard=Guard((KEY,)))
-  port = _free_port()
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
-  _until(lambda: srv.started, "the server to start")
-  base = f"http://127.0.0.1:{port}"
-  yield dict(model=model, app=app, port=port, name=app.state.model_name,
-             client=openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0))
-  srv.should_exit = True
-  thread.join(timeout=30)
-  app.state.scheduler.close()
+  with serving(app) as port:
+    base = f"http://127.0.0.1:{port}"
+    yield dict(model=model, app=app, port=port, name=app.state.model_name,
+               client=openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0))
   model.close()
 
 
@@ -400,18 +392,13 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   prompts = ["def ", "for i in", "import os\n", "x = "]
   want = [model.generate(p, 10).text for p in prompts]
   app = create_app(model, max_batch=4, max_queue=4)
-  port = _free_port()
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=srv.run, daemon=True)
-  thread.start()
   polls, stop = [], threading.Event()
 
-  def poll():
+  def poll(port):
     while not stop.is_set():
       polls.append(_raw({"port": port}, "GET", "/health", key=None))
-  try:
-    _until(lambda: srv.started, "the server to start")
-    poller = threading.Thread(target=poll, daemon=True)
+  with serving(app) as port:
+    poller = threading.Thread(target=poll, args=(port,), daemon=True)
     poller.start()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
@@ -419,17 +406,55 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
       return "".join(c.choices[0].text for c in client.completions.create(
           model=app.state.model_name, prompt=p, max_tokens=10, temperature=0, stream=True)
           if c.choices)
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-      got = list(pool.map(stream, prompts))
-    stop.set()
-    poller.join(timeout=30)
-  finally:
-    stop.set()
-    srv.should_exit = True
-    thread.join(timeout=30)
-    app.state.scheduler.close()
-    model.close()
+    try:
+      with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(stream, prompts))
+    finally:
+      stop.set()
+      poller.join(timeout=30)
+  model.close()
   assert got == want
   assert len(polls) > 1 and all(status == 200 for status, _ in polls)
   read = [body["engine"]["expert_bytes_read"] for _, body in polls]
   assert read == sorted(read) and read[-1] > read[0]
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_row(server):
+  sched = server["app"].state.scheduler
+  before = _raw(server, "GET", "/health")[1]
+  body = json.dumps({"model": server["name"], "prompt": "import os\n", "max_tokens": 8}).encode()
+  sched.hold(True)  # admitted, never advancing: it cannot finish before the client leaves
+  try:
+    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json",
+                                                   "authorization": f"Bearer {KEY}"})
+    _until(lambda: _raw(server, "GET", "/health")[1]["live"] == 1, "the request's row")
+    conn.close()  # gone without reading a byte
+    _until(lambda: _raw(server, "GET", "/health")[1]["cancelling"] == 1, "the disconnect")
+  finally:
+    sched.hold(False)
+  _until(lambda: _raw(server, "GET", "/health")[1]["live"] == 0, "the row to be freed")
+  after = _raw(server, "GET", "/health")[1]
+  assert after["cancelled"] == before["cancelled"] + 1
+  assert after["completed"] == before["completed"]
+
+
+def test_streamed_logprobs_and_echo_equal_the_whole_response(server):
+  c, name = server["client"], server["name"]
+  ids = server["model"].tokenizer.encode(CODE[:30])
+  for kw in (dict(prompt=ids, echo=True, logprobs=2), dict(prompt="def ", logprobs=3)):
+    whole = c.completions.create(model=name, max_tokens=6, temperature=0, **kw).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(
+        model=name, max_tokens=6, temperature=0, stream=True, **kw) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == whole.text
+    got = [ch.logprobs for ch in chunks if ch.logprobs]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+      assert sum((getattr(lp, field) for lp in got), []) == getattr(whole.logprobs, field)
+  whole = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+  chunks = [ch.choices[0] for ch in c.chat.completions.create(
+      model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+      logprobs=True, top_logprobs=2, stream=True) if ch.choices]
+  streamed = [e for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+  assert [(e.token, e.logprob) for e in streamed] == [
+      (e.token, e.logprob) for e in whole.choices[0].logprobs.content]

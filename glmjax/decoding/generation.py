@@ -62,6 +62,7 @@ class Request:
   matcher: Any = None  # text.StopMatcher
   on_token: Callable[[int], None] | None = None
   on_text: Callable[[str], None] | None = None
+  on_score: Callable[[tuple], None] | None = None  # each (token, TokenLogprob), before its text
   recorder: Any = None  # glmjax.replay.record.LiveRecorder when the run is traced
   logprobs: int | None = None  # record each new token's logprob and this many alternatives
   out: list = dataclasses.field(default_factory=list)
@@ -84,6 +85,8 @@ class Request:
     """Records `tok`; True when generation must stop (stop token/string, or length)."""
     if self._pending is not None:
       self.scores.append(self._pending)
+      if self.on_score:
+        self.on_score(self._pending)
       self._pending = None
     if tok in self.stops:
       self.reason = "stop_token"
@@ -119,7 +122,7 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, stop_ids=None, stop=(), on_token=None,
                 on_text=None, logprobs: int | None = None, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0) -> Request:
+                frequency_penalty: float = 0.0, on_score=None) -> Request:
   """Validates one request's sampling and stop settings (before any compute)."""
   from glmjax.decoding import sampling, text
   if temperature < 0:  # also checked by SamplingParams; kept for a plain message
@@ -139,7 +142,7 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
       stops=model.default_stop_ids() if stop_ids is None else set(stop_ids),
       stream=text.StreamDecoder(tok) if tok is not None else None,
       matcher=text.StopMatcher(stop) if stop else None, on_token=on_token, on_text=on_text,
-      logprobs=logprobs)
+      logprobs=logprobs, on_score=on_score)
 
 
 def chunk_plan(n: int, chunk: int) -> list[tuple[int, int, int]]:

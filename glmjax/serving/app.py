@@ -132,7 +132,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
     reply = protocol.Reply(kind, name, token_text)
     texts = {c["index"]: c["text"] for c in choices}
     if stream:
-      return StreamingResponse(_events(jobs, reply, usage), media_type="text/event-stream")
+      return StreamingResponse(_events(jobs, reply, usage, texts),
+                               media_type="text/event-stream")
     try:
       summaries = []
       while len(summaries) < len(jobs):
@@ -230,21 +231,42 @@ def _sse(obj) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool):
-  """The server-sent events of a request's choices, each chunk naming its choice; cancels the
-  choices when the client disconnects (Starlette then cancels the stream, which runs the
-  `finally`)."""
+async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool,
+                  texts: dict[int, str]):
+  """The server-sent events of a request's choices, each chunk naming its choice; a text chunk
+  carries the logprobs of the tokens scored since the last one (with echo, the first chunk is
+  the prompt and its logprobs). Cancels the choices when the client disconnects (Starlette
+  then cancels the stream, which runs the `finally`)."""
   queue = jobs[0].queue
   opened, summaries = set(), []
+  pending = {job.index: [] for job in jobs}  # scored tokens whose text has not gone out yet
+  offset = {job.index: len(texts[job.index]) for job in jobs}  # completions' text_offset
+
+  def logprobs(index: int, scored: list | None = None, at: int | None = None):
+    scored = pending[index] if scored is None else scored
+    if not scored or not any(j.settings["logprobs"] is not None for j in jobs):
+      return None
+    obj, offset[index] = reply.logprobs(scored, offset[index] if at is None else at)
+    pending[index] = [] if scored is pending[index] else pending[index]
+    return obj
+
   try:
     while len(summaries) < len(jobs):
       kind, value, index = await queue.get()
-      if kind == "start" or (kind == "text" and value):
-        yield _sse(reply.chunk(value, index, index not in opened))
+      if kind == "score":
+        pending[index].append(value)
+      elif kind == "echo":
+        yield _sse(reply.chunk(texts[index], index, index not in opened,
+                               logprobs=logprobs(index, value, at=0)))
+        opened.add(index)
+      elif kind == "start" or (kind == "text" and value):
+        yield _sse(reply.chunk(value, index, index not in opened, logprobs=logprobs(index)))
         opened.add(index)
       elif kind == "done":
         summaries.append(value)
-        yield _sse(reply.chunk(None, index, index not in opened, value))
+        if reply.chat and pending[index] and len(value["scores"]) > len(value["tokens"]):
+          pending[index] = pending[index][:-1]  # the stop token is not content
+        yield _sse(reply.chunk(None, index, index not in opened, value, logprobs(index)))
       else:
         yield _sse(_failure(value).body)
         break

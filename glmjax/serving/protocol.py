@@ -107,11 +107,7 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
 
 
 def stream_flag(body: dict) -> bool:
-  stream = _bool(body, "stream")
-  if stream and (echo(body) or logprobs(body) is not None):
-    raise ApiError(400, "logprobs and echo are not supported with stream", "stream",
-                   "invalid_value")
-  return stream
+  return _bool(body, "stream")
 
 
 def include_usage(body: dict) -> bool:
@@ -256,18 +252,19 @@ class Reply:
             [telemetry(s) for s in summaries]}
 
   def chunk(self, piece: str | None, index: int = 0, first: bool = False,
-            summary: dict | None = None) -> dict:
-    """A stream chunk of choice `index` with text `piece`; its last one (with `summary`)
-    carries the finish reason and telemetry."""
+            summary: dict | None = None, logprobs: dict | None = None) -> dict:
+    """A stream chunk of choice `index` with text `piece` (and the `logprobs` of its tokens);
+    its last one (with `summary`) carries the finish reason and telemetry."""
     reason = summary["finish_reason"] if summary else None
     if self.chat:
       delta: dict[str, Any] = {"role": "assistant"} if first else {}
       if piece:
         delta["content"] = piece
-      choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
       body = self._base("chat.completion.chunk")
     else:
-      choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "text": piece or "", "finish_reason": reason,
+                "logprobs": logprobs}
       body = self._base("text_completion")
     body["choices"] = [choice]
     if summary:  # the choice's own usage (include_usage adds the whole request's at the end)
@@ -290,23 +287,30 @@ class Reply:
     if s["logprobs"] is None:
       return None
     scored = list(s["prompt_scores"]) if s["echo"] else []
-    scored += s["scores"]
+    return self.logprobs(scored + s["scores"], 0 if s["echo"] else len(s["prompt_text"]))[0]
+
+  def logprobs(self, scored: list, offset: int = 0) -> tuple[dict, int]:
+    """The logprobs object of `scored` (token, TokenLogprob | None) pairs in the request's kind
+    (completions: text offsets from `offset`), and the offset after them."""
+    if self.chat:
+      return self._chat_entries(scored), offset
     tokens = [self.token_text(t) for t, _ in scored]
-    offsets, at = [], 0 if s["echo"] else len(s.get("prompt_text", ""))
+    offsets = []
     for text in tokens:
-      offsets.append(at)
-      at += len(text)
+      offsets.append(offset)
+      offset += len(text)
     return {"tokens": tokens,
             "token_logprobs": [None if sc is None else sc.logprob for _, sc in scored],
             "top_logprobs": [None if sc is None else self._top(sc) for _, sc in scored],
-            "text_offset": offsets}
+            "text_offset": offsets}, offset
 
   def _chat_logprobs(self, s: dict) -> dict | None:
     """Chat's logprobs: one entry per content token (the stop token is not content)."""
     if s["logprobs"] is None:
       return None
-    scored = s["scores"][:len(s["tokens"])]
+    return self._chat_entries(s["scores"][:len(s["tokens"])])
 
+  def _chat_entries(self, scored: list) -> dict:
     def entry(t: int, lp: float) -> dict:
       text = self.token_text(t)
       return {"token": text, "logprob": lp, "bytes": list(text.encode())}

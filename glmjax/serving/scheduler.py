@@ -3,7 +3,9 @@
 Requests wait in a bounded queue; between decode steps the thread drops cancelled requests,
 admits waiting ones into free rows (each prefilled alone) and runs one step of the batch.
 Results go back to the web server's event loop as events on each job's asyncio queue:
-("start", None) when admitted, ("text", piece) while decoding, then ("done", summary) or
+("start", None) when admitted, ("echo", prompt logprobs) with echo, ("score", (token,
+TokenLogprob)) before each token's text when logprobs are asked for, ("text", piece) while
+decoding, then ("done", summary) or
 ("error", GlmjaxError).
 """
 
@@ -232,10 +234,11 @@ class Scheduler:
     job.push("start", None)  # streams open with a chunk before the first token
     try:
       job.req = new_request(self.model, job.prompt_ids, on_text=lambda p: job.push("text", p),
-                            **job.settings)
+                            on_score=lambda s: job.push("score", s), **job.settings)
       before = self._telemetry()
       if job.echo:  # the prompt's own logprobs: one teacher-forced pass (Model.score)
         job.prompt_scores = prompt_logprobs(self.model, job.prompt_ids, job.req.logprobs or 0)
+        job.push("echo", job.prompt_scores)
       finished = (job.req.max_new_tokens == 0 or
                   self.batch.admit(job.prompt_ids, job.req, tag=job))
       self._share(before, [job])
