@@ -33,7 +33,7 @@ def main(argv):
       print(line.strip())
   return 0
 '''
-N_DOCS = 6
+N_DOCS = 4
 WIDTH = 128  # tokens: every prompt of the task fits
 
 # One process, two evaluations: lm-eval's import is the slow part.

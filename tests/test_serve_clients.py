@@ -386,11 +386,11 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   import shutil
   store = str(tmp_path / "store")
   shutil.copytree(embedded_store, store)
-  model = glmjax.load(store, progress=False, max_context=128, device_cache_gb=0,
+  model = glmjax.load(store, progress=False, max_context=64, device_cache_gb=0,
                       host_cache_gb=0.002)
   assert model.offloaded
   prompts = ["def ", "for i in", "import os\n", "x = "]
-  want = [model.generate(p, 10).text for p in prompts]
+  want = [model.generate(p, 6).text for p in prompts]
   app = create_app(model, max_batch=4, max_queue=4)
   polls, stop = [], threading.Event()
 
@@ -404,7 +404,7 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
 
     def stream(p):
       return "".join(c.choices[0].text for c in client.completions.create(
-          model=app.state.model_name, prompt=p, max_tokens=10, temperature=0, stream=True)
+          model=app.state.model_name, prompt=p, max_tokens=6, temperature=0, stream=True)
           if c.choices)
     try:
       with concurrent.futures.ThreadPoolExecutor(4) as pool:
