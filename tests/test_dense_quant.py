@@ -32,7 +32,8 @@ PLAN_MAX_GB = {"int8": 19.5, "int4": 10.5}
 # Names of the dense tensors a quantized dense format stores as QArrays (routed experts aside).
 QUANTIZED_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                    "indexer.wq_b", "indexer.wk", "gate_proj", "up_proj", "down_proj",
-                   "lm_head", "embed_tokens", "eh_proj", "shared_head.head")
+                   "lm_head", "eh_proj", "shared_head.head")
+EMBED_BITS = {8: 0, 4: 8}  # the embedding: bf16 under int8 dense, int8 under int4 dense
 
 
 def test_memory_plan_at_glm5_full_geometry():
@@ -64,7 +65,8 @@ def test_memory_plan_at_glm5_full_geometry():
   logits = jax.eval_shape(lambda w, x: linear(x, w.lm_head), structs, x)
   emb = jax.eval_shape(lambda w: embed_rows(w.embed, np.zeros((2, 3), np.int32)), structs)
   assert logits.shape == (2, 1, cfg.vocab_size) and emb.shape == (2, 3, cfg.hidden_size)
-  assert isinstance(structs.embed, QArray) and not isinstance(structs.layers[3].mlp.router, QArray)
+  assert structs.embed.bits == 8 and not isinstance(structs.layers[3].mlp.router, QArray)
+  assert not isinstance(weights.shapes(weights.abstract(cfg, dense_bits=8)).embed, QArray)
 
 
 def test_declaration_marks_the_dense_matmuls():
@@ -73,6 +75,7 @@ def test_declaration_marks_the_dense_matmuls():
   marked = {n for i in weights.leaves_with_info(tree) if i.quantized for n in i.hf_names}
   plain = {n for i in weights.leaves_with_info(tree) if not i.quantized for n in i.hf_names}
   assert all(any(q in n for q in QUANTIZED_NAMES) for n in marked)
+  assert "model.embed_tokens.weight" in plain  # kept float under int8 (EMBED_BITS)
   assert not any(".mlp.experts.{e}" in n for n in marked)  # routed experts: the expert store's
   for n in ("model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
             "model.layers.0.self_attn.indexer.weights_proj.weight", "model.norm.weight",
@@ -116,7 +119,8 @@ def dense_store(request, src, tmp_path_factory):
 
 
 def _reference(src, dst, bits):
-  """A float checkpoint: experts int4 fake-quant, the quantized dense tensors `bits` fake-quant."""
+  """A float checkpoint: experts int4 fake-quant, the quantized dense tensors `bits` fake-quant,
+  the embedding as `EMBED_BITS` says."""
   from glmjax.formats.safetensors_io import SafetensorsFile, write
   shutil.copytree(src, dst)
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
@@ -125,6 +129,8 @@ def _reference(src, dst, bits):
     a = np.array(f.read(k))
     if ".mlp.experts." in k:
       a = fake_quant(a, 4)
+    elif k == "model.embed_tokens.weight":
+      a = fake_quant(a, EMBED_BITS[bits]) if EMBED_BITS[bits] else a
     elif a.ndim == 2 and any(q in k for q in QUANTIZED_NAMES) and ".mlp.gate.weight" not in k:
       a = fake_quant(a, bits)
     out[k] = a
@@ -140,7 +146,8 @@ def test_dense_store_equals_fake_quant_reference(src, dense_store, tmp_path):
   model = glmjax.load(path, progress=False)
   w = model.engine.dense if model.engine is not None else model.weights
   assert isinstance(w.layers[0].attn.kv_b, QArray) and w.layers[0].attn.kv_b.bits == bits
-  assert isinstance(w.embed, QArray) and not isinstance(w.layers[1].mlp.router, QArray)
+  assert isinstance(w.embed, QArray) == bool(EMBED_BITS[bits])
+  assert not isinstance(w.layers[1].mlp.router, QArray)
   toks = tokens(1, 2, 12)
   assert rel_err(model.score(toks), ref.score(toks)) <= 1e-5  # expanded attention
   # Greedy decoding runs the absorbed attention path (kv_b folded into query and output).
@@ -154,8 +161,10 @@ def test_dense_store_bytes_match_the_plan(dense_store):
   cfg, tree = store.dense_abstract(path)
   _, dense = store.load_dense(path, progress=False)
   assert weights.nbytes(dense) == weights.nbytes(tree)
+  # The plan's float embedding is bf16 (the converter's default); this store's is float32.
+  extra = 0 if EMBED_BITS[bits] else cfg.vocab_size * cfg.hidden_size * 2
   assert weights.nbytes(tree) == weights.dense_plan(cfg, f"int{bits}",
-                                                   with_mtp=bool(tree.mtp))["total"]
+                                                   with_mtp=bool(tree.mtp))["total"] + extra
 
 
 def test_quantized_leaves_stored_as_packed_and_scales(dense_store):
@@ -164,7 +173,8 @@ def test_quantized_leaves_stored_as_packed_and_scales(dense_store):
   keys = manifest["dense"]["layer_000"]
   assert ".attn.kv_b#packed" in keys and ".attn.kv_b#scales" in keys and ".attn.kv_b" not in keys
   assert ".attn_norm" in keys  # norms stay float
-  assert "['embed']#packed" in manifest["dense"]["global"]
+  assert ("['embed']#packed" in manifest["dense"]["global"]) == bool(EMBED_BITS[bits])
+  assert "['lm_head']#packed" in manifest["dense"]["global"]
 
 
 def test_damaged_quantized_part_is_refused(dense_store, tmp_path):

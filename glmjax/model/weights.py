@@ -47,9 +47,10 @@ class ArrayInfo:
   axes: tuple[str, ...]
   hf_names: tuple[str, ...]
   init: str = "normal"  # normal | ones | zeros
-  # A dense matmul weight (or the embedding): a quantized dense format stores it as a QArray.
-  # Norms, biases, the router and its bias, and the indexer's head weights are not.
-  quantizable: bool = False
+  # "matmul" (a dense matmul weight) or "embedding": a quantized dense format stores it as a
+  # QArray (`dense_format` says at which width). "": never quantized (norms, biases, the router
+  # and its bias, the indexer's head weights, routed experts).
+  quantizable: str = ""
   bits: int = 0  # 0: a float array of `dtype`; 4 | 8: a group-wise QArray (`quant.py`)
   group_size: int = 64
 
@@ -164,11 +165,11 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
   """
   d, f32 = cfg.hidden_size, jnp.float32
 
-  def info(shape, axes, *names, init="normal", dt=None, q=False):
+  def info(shape, axes, *names, init="normal", dt=None, q=""):
     return ArrayInfo(tuple(shape), dt or dtype, tuple(axes), tuple(names), init, quantizable=q)
 
   def mat(shape, axes, *names):
-    return info(shape, axes, *names, q=True)
+    return info(shape, axes, *names, q="matmul")
 
   def norm(n, name):
     return info((n,), ("norm",), name, init="ones")
@@ -228,7 +229,8 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
 
   n = cfg.num_hidden_layers
   return dense_format(Weights(
-      embed=mat((cfg.vocab_size, d), ("vocab", "embed"), "model.embed_tokens.weight"),
+      embed=info((cfg.vocab_size, d), ("vocab", "embed"), "model.embed_tokens.weight",
+                 q="embedding"),
       layers=[layer(i) for i in range(n)],
       norm=norm(d, "model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else mat(
@@ -237,14 +239,25 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
       dense_bits, dense_group_size)
 
 
+# The embedding's width under each dense format (0: kept float, in the store's dense dtype).
+# Measured on the embedded model (scripts/dense_kl.py): int8 rows alone add 4.4e-4 nats/token,
+# more than the rest of the int8 dense part, so int8 dense keeps a bfloat16 table (a gather: it
+# costs no compute); int4 dense needs the table narrower to fit GLM-5's dense part in 10.5 GB,
+# and int8 rows cost a tenth of int4 rows (6.0e-3).
+EMBED_BITS = {8: 0, 4: 8}
+
+
 def dense_format(tree: Weights, bits: int, group_size: int = 64) -> Weights:
-  """`tree` with its quantizable leaves declared as `bits`-wide QArrays (0: float, unchanged)."""
+  """`tree` with its quantizable leaves declared as QArrays: the matmul weights `bits` wide,
+  the embedding `EMBED_BITS[bits]` wide (0: float). `bits` 0 leaves the tree unchanged."""
   if bits not in DENSE_BITS:
     raise ValueError(f"dense_bits must be one of {DENSE_BITS}, got {bits}")
   if not bits:
     return tree
   check_bits_group(bits, group_size)
-  return map_infos(lambda i: dataclasses.replace(i, bits=bits, group_size=group_size)
+  width = {"matmul": bits, "embedding": EMBED_BITS[bits]}
+  return map_infos(lambda i: dataclasses.replace(i, bits=width[i.quantizable],
+                                                 group_size=group_size)
                    if i.quantizable else i, tree)
 
 
@@ -313,20 +326,23 @@ DENSE_FORMATS = {"float32": (jnp.float32, 0), "bfloat16": (jnp.bfloat16, 0),
                  "int8": (jnp.float32, 8), "int4": (jnp.float32, 4)}
 
 
-def dense_plan(cfg: Config, dense_format: str, group_size: int = 64, with_mtp: bool = True
+def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = True
                ) -> dict[str, int]:
-  """Resident bytes of the dense part (everything but the routed experts) in `dense_format`
-  ("float32" | "bfloat16" | "int8" | "int4"), from the declaration alone: nothing is allocated.
+  """Resident bytes of the dense part (everything but the routed experts) in the dense format
+  `fmt` ("float32" | "bfloat16" | "int8" | "int4"), from the declaration alone: nothing is
+  allocated.
 
-  Under int8/int4 the quantizable leaves are QArrays (packed weights + bf16 group scales) and
-  the rest (norms, router and its bias, the indexer's head weights) stay float32. Returns
-  {"quantized": ..., "float": ..., "total": ...} in bytes.
+  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales), a float
+  embedding (int8: `EMBED_BITS`) stays bfloat16 (the converter's dense dtype, kept at load by
+  `store.dense_abstract`), and the rest (norms, router and its bias, the indexer's head
+  weights) float32. Returns {"quantized": ..., "float": ..., "total": ...} in bytes.
   """
-  if dense_format not in DENSE_FORMATS:
-    raise ValueError(f"dense_format must be one of {sorted(DENSE_FORMATS)}, got {dense_format!r}")
-  dtype, bits = DENSE_FORMATS[dense_format]
+  if fmt not in DENSE_FORMATS:
+    raise ValueError(f"dense format must be one of {sorted(DENSE_FORMATS)}, got {fmt!r}")
+  dtype, bits = DENSE_FORMATS[fmt]
   tree = dense_only(abstract(cfg, dtype, with_mtp, dense_bits=bits, dense_group_size=group_size))
-  infos = leaves_with_info(tree)
-  quantized = sum(i.nbytes for i in infos if i.quantized)
+  if bits and not tree.embed.quantized:
+    tree = dataclasses.replace(tree, embed=dataclasses.replace(tree.embed, dtype=jnp.bfloat16))
+  quantized = sum(i.nbytes for i in leaves_with_info(tree) if i.quantized)
   total = nbytes(tree)
   return {"quantized": quantized, "float": total - quantized, "total": total}
