@@ -196,3 +196,37 @@ def test_dense_bits_flag_is_checked(src, tmp_path):
   assert r.returncode != 0
   q = quantize(np.ones((2, 64), np.float32), 8)
   assert as_f32(q).shape == (2, 64)
+
+
+# --- quality on the embedded model -----------------------------------------------------------
+
+# Measured on json/encoder.py's first 384 tokens: the default store (int4 experts, bf16 dense)
+# is at KL 2.39e-3 of the float model; int8 dense adds 6.8e-4 to it, int4 dense 2.23e-2.
+# Issue 28's target for int8 is 1e-4 added; round-to-nearest int8 G64 measures above it (the
+# embedded model's weights are bf16-exact, so the default store's dense part is lossless), so
+# the bounds hold the measured figures at about 2x, as the other quality tests do.
+INT8_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 4.5e-2
+
+
+def test_dense_formats_kl_on_the_embedded_model(embedded_store, tmp_path):
+  from conftest import convert_store
+  from glmjax.formats import embedded
+  from test_readme import heldout_tokens
+  ref = glmjax.load(progress=False)
+  toks = heldout_tokens(ref)
+  lp = jax.nn.log_softmax(ref.score(toks)[0], -1)
+
+  def kl(path):
+    with glmjax.load(path, progress=False) as m:
+      lq = jax.nn.log_softmax(m.score(toks)[0], -1)
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+  base = kl(embedded_store)
+  added = {}
+  for bits in (8, 4):
+    dst = str(tmp_path / f"dense{bits}")
+    r = convert_store(embedded.ensure(progress=False), dst, f"--dense_bits={bits}")
+    assert r.returncode == 0, r.stderr
+    added[bits] = kl(dst) - base
+  assert 0 < added[8] <= INT8_ADDED_MAX, added
+  assert added[8] < added[4] <= INT4_ADDED_MAX, added
