@@ -135,6 +135,7 @@ def main(argv):
       run(f"int{b}: embedding only", only(b, lambda p: p == "embed"))
       run(f"int{b}: lm_head only", only(b, lambda p: p == "lm_head"))
     run("int4, embedding int8", lambda p: 8 if p == "embed" else 4)
+    run("int4, lm_head int8 (the --dense_bits=4 recipe)", lambda p: 8 if p == "lm_head" else 4)
     run("int4, embedding and lm_head int8", lambda p: 8 if p in ("embed", "lm_head") else 4)
     run("int4, embedding, lm_head and kv_b int8",
         lambda p: 8 if p in ("embed", "lm_head") or p.endswith("kv_b") else 4)

@@ -32,8 +32,10 @@ PLAN_MAX_GB = {"int8": 19.5, "int4": 10.5}
 # Names of the dense tensors a quantized dense format stores as QArrays (routed experts aside).
 QUANTIZED_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                    "indexer.wq_b", "indexer.wk", "gate_proj", "up_proj", "down_proj",
-                   "lm_head", "eh_proj", "shared_head.head")
-EMBED_BITS = {8: 0, 4: 8}  # the embedding: bf16 under int8 dense, int8 under int4 dense
+                   "eh_proj")
+HEADS = ("lm_head", "shared_head.head")
+EMBED_BITS = {8: 0, 4: 4}  # the embedding: bf16 under int8 dense, int4 under int4 dense
+HEAD_BITS = 8  # the heads stay int8 under int4 dense
 
 
 def test_memory_plan_at_glm5_full_geometry():
@@ -65,7 +67,7 @@ def test_memory_plan_at_glm5_full_geometry():
   logits = jax.eval_shape(lambda w, x: linear(x, w.lm_head), structs, x)
   emb = jax.eval_shape(lambda w: embed_rows(w.embed, np.zeros((2, 3), np.int32)), structs)
   assert logits.shape == (2, 1, cfg.vocab_size) and emb.shape == (2, 3, cfg.hidden_size)
-  assert structs.embed.bits == 8 and not isinstance(structs.layers[3].mlp.router, QArray)
+  assert structs.embed.bits == 4 and structs.lm_head.bits == 8 and not isinstance(structs.layers[3].mlp.router, QArray)
   assert not isinstance(weights.shapes(weights.abstract(cfg, dense_bits=8)).embed, QArray)
 
 
@@ -74,7 +76,7 @@ def test_declaration_marks_the_dense_matmuls():
   tree = weights.abstract(cfg, dense_bits=8)
   marked = {n for i in weights.leaves_with_info(tree) if i.quantized for n in i.hf_names}
   plain = {n for i in weights.leaves_with_info(tree) if not i.quantized for n in i.hf_names}
-  assert all(any(q in n for q in QUANTIZED_NAMES) for n in marked)
+  assert all(any(q in n for q in QUANTIZED_NAMES + HEADS) for n in marked)
   assert "model.embed_tokens.weight" in plain  # kept float under int8 (EMBED_BITS)
   assert not any(".mlp.experts.{e}" in n for n in marked)  # routed experts: the expert store's
   for n in ("model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
@@ -120,7 +122,7 @@ def dense_store(request, src, tmp_path_factory):
 
 def _reference(src, dst, bits):
   """A float checkpoint: experts int4 fake-quant, the quantized dense tensors `bits` fake-quant,
-  the embedding as `EMBED_BITS` says."""
+  the heads int8 and the embedding as `EMBED_BITS` says."""
   from glmjax.formats.safetensors_io import SafetensorsFile, write
   shutil.copytree(src, dst)
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
@@ -129,6 +131,8 @@ def _reference(src, dst, bits):
     a = np.array(f.read(k))
     if ".mlp.experts." in k:
       a = fake_quant(a, 4)
+    elif any(h in k for h in HEADS):
+      a = fake_quant(a, HEAD_BITS)
     elif k == "model.embed_tokens.weight":
       a = fake_quant(a, EMBED_BITS[bits]) if EMBED_BITS[bits] else a
     elif a.ndim == 2 and any(q in k for q in QUANTIZED_NAMES) and ".mlp.gate.weight" not in k:
@@ -201,11 +205,12 @@ def test_dense_bits_flag_is_checked(src, tmp_path):
 # --- quality on the embedded model -----------------------------------------------------------
 
 # Measured on json/encoder.py's first 384 tokens: the default store (int4 experts, bf16 dense)
-# is at KL 2.39e-3 of the float model; int8 dense adds 6.8e-4 to it, int4 dense 2.23e-2.
+# is at KL 2.39e-3 of the float model; int8 dense adds 6.8e-4 to it, int4 dense (heads int8)
+# 1.58e-2.
 # Issue 28's target for int8 is 1e-4 added; round-to-nearest int8 G64 measures above it (the
 # embedded model's weights are bf16-exact, so the default store's dense part is lossless), so
 # the bounds hold the measured figures at about 2x, as the other quality tests do.
-INT8_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 4.5e-2
+INT8_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 3e-2
 
 
 def test_dense_formats_kl_on_the_embedded_model(embedded_store, tmp_path):

@@ -119,7 +119,7 @@ def plan(ckpt: HFCheckpoint, cfg: Config, dtype=jnp.float32) -> Weights:
     for j, m in enumerate(tree.mtp):
       m.head = ArrayInfo((cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"),
                          (f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",),
-                         quantizable="matmul")
+                         quantizable="head")
   expected = {n for i in leaves_with_info(tree) for n in expand_names(i, cfg.n_routed_experts)}
   missing = sorted(expected - names)
   if missing:

@@ -47,9 +47,10 @@ class ArrayInfo:
   axes: tuple[str, ...]
   hf_names: tuple[str, ...]
   init: str = "normal"  # normal | ones | zeros
-  # "matmul" (a dense matmul weight) or "embedding": a quantized dense format stores it as a
-  # QArray (`dense_format` says at which width). "": never quantized (norms, biases, the router
-  # and its bias, the indexer's head weights, routed experts).
+  # "matmul" (a dense matmul weight), "head" (the lm head, the MTP's own head) or "embedding":
+  # a quantized dense format stores it as a QArray at its `DENSE_RECIPES` width. "": never
+  # quantized (norms, biases, the router and its bias, the indexer's head weights, routed
+  # experts).
   quantizable: str = ""
   bits: int = 0  # 0: a float array of `dtype`; 4 | 8: a group-wise QArray (`quant.py`)
   group_size: int = 64
@@ -233,29 +234,32 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
                  q="embedding"),
       layers=[layer(i) for i in range(n)],
       norm=norm(d, "model.norm.weight"),
-      lm_head=None if cfg.tie_word_embeddings else mat(
-          (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight"),
+      lm_head=None if cfg.tie_word_embeddings else info(
+          (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight", q="head"),
       mtp=[mtp(n + j) for j in range(cfg.num_nextn_predict_layers)] if with_mtp else []),
       dense_bits, dense_group_size)
 
 
-# The embedding's width under each dense format (0: kept float, in the store's dense dtype).
-# Measured on the embedded model (scripts/dense_kl.py): int8 rows alone add 4.4e-4 nats/token,
-# more than the rest of the int8 dense part, so int8 dense keeps a bfloat16 table (a gather: it
-# costs no compute); int4 dense needs the table narrower to fit GLM-5's dense part in 10.5 GB,
-# and int8 rows cost a tenth of int4 rows (6.0e-3).
-EMBED_BITS = {8: 0, 4: 8}
+# Each dense format's widths per kind of quantizable leaf (0: kept float, in the store's dense
+# dtype). Measured on the embedded model (scripts/dense_kl.py, KL against the float model):
+# - int8: the embedding stays bfloat16 (a gather: it costs no compute, and int8 rows alone add
+#   4.4e-4 nats/token); GLM-5's int8 dense part still plans at 19.34 GB.
+# - int4: the head int8 and the embedding int4 (1.37e-2 against 2.09e-2 all int4, and 1.82e-2
+#   the other way round, at the same bytes): the head is the most sensitive matrix (int4 head
+#   alone 7.1e-3), and GLM-5's int4 dense part has no room for both (10.19 GB).
+DENSE_RECIPES = {8: {"matmul": 8, "head": 8, "embedding": 0},
+                 4: {"matmul": 4, "head": 8, "embedding": 4}}
 
 
 def dense_format(tree: Weights, bits: int, group_size: int = 64) -> Weights:
-  """`tree` with its quantizable leaves declared as QArrays: the matmul weights `bits` wide,
-  the embedding `EMBED_BITS[bits]` wide (0: float). `bits` 0 leaves the tree unchanged."""
+  """`tree` with its quantizable leaves declared as QArrays at the widths `DENSE_RECIPES[bits]`
+  gives their kind. `bits` 0 leaves the tree unchanged."""
   if bits not in DENSE_BITS:
     raise ValueError(f"dense_bits must be one of {DENSE_BITS}, got {bits}")
   if not bits:
     return tree
   check_bits_group(bits, group_size)
-  width = {"matmul": bits, "embedding": EMBED_BITS[bits]}
+  width = DENSE_RECIPES[bits]
   return map_infos(lambda i: dataclasses.replace(i, bits=width[i.quantizable],
                                                  group_size=group_size)
                    if i.quantizable else i, tree)
@@ -333,7 +337,7 @@ def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = Tru
   allocated.
 
   Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales), a float
-  embedding (int8: `EMBED_BITS`) stays bfloat16 (the converter's dense dtype, kept at load by
+  embedding (int8: `DENSE_RECIPES`) stays bfloat16 (the converter's dense dtype, kept at load by
   `store.dense_abstract`), and the rest (norms, router and its bias, the indexer's head
   weights) float32. Returns {"quantized": ..., "float": ..., "total": ...} in bytes.
   """
