@@ -235,3 +235,28 @@ def test_dense_formats_kl_on_the_embedded_model(embedded_store, tmp_path):
     added[bits] = kl(dst) - base
   assert 0 < added[8] <= INT8_ADDED_MAX, added
   assert added[8] < added[4] <= INT4_ADDED_MAX, added
+
+
+def test_mtp_own_head_follows_the_head_recipe(tmp_path):
+  """A checkpoint whose MTP layer has its own shared_head.head: stored and read back as a head
+  (int8 under int4 dense), not as the embedding (int4); the store scores and drafts."""
+  from glmjax.formats import checkpoint
+  from glmjax.formats.safetensors_io import SafetensorsFile, write
+  from hf_reference import tiny_config
+  cfg = tiny_config(num_nextn_predict_layers=1)
+  own = str(tmp_path / "own")
+  checkpoint.save_hf(weights.init(cfg, seed=1), cfg, own)
+  fname = os.path.join(own, "model.safetensors")
+  f = SafetensorsFile(fname)
+  tensors = {k: np.array(f.read(k)) for k in f.keys()}
+  del f
+  tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"] * 0.5
+  write(fname, tensors)
+  dst = str(tmp_path / "s")
+  r = convert(own, dst, "--dense_bits=4")
+  assert r.returncode == 0, r.stderr
+  assert store.read_manifest(dst)["mtp_has_head"]
+  _, dense = store.load_dense(dst, progress=False)
+  assert dense.mtp[0].head.bits == HEAD_BITS and dense.embed.bits == EMBED_BITS[4]
+  with glmjax.load(dst, progress=False) as m:
+    assert np.isfinite(m.score(tokens(1, 1, 8, vocab=64))).all()

@@ -39,8 +39,8 @@ from glmjax.model.config import Config
 from glmjax.formats.checkpoint import require_finite
 from glmjax.errors import CheckpointError
 from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
-from glmjax.model.weights import (ArrayInfo, Weights, abstract, dense_only, is_info,
-                                   strip_routed, to_device)
+from glmjax.model.weights import (ArrayInfo, Weights, abstract, dense_format, dense_only,
+                                   is_info, strip_routed, to_device)
 
 FORMAT = "glmjax-expert-store"
 FORMAT_VERSION = 1
@@ -371,12 +371,12 @@ def dense_abstract(path: str, dtype=jnp.float32) -> tuple[Config, Weights]:
   manifest = read_manifest(path)
   cfg = Config.from_dict(manifest["source_config"], source=os.path.join(path, MANIFEST))
   quant = manifest["quant"]
-  tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]),
-                  dense_bits=quant.get("dense_bits", 0),
-                  dense_group_size=quant.get("dense_group_size", 64))
-  if manifest.get("mtp_has_head"):
-    for m in tree.mtp:
-      m.head = tree.embed
+  tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]))
+  if manifest.get("mtp_has_head"):  # the MTP layer's own shared_head.head, declared as the
+    for j, m in enumerate(tree.mtp):  # converter's `plan` declares it
+      m.head = dataclasses.replace(tree.embed, quantizable="head", hf_names=(
+          f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
+  tree = dense_format(tree, quant.get("dense_bits", 0), quant.get("dense_group_size", 64))
   stored = jnp.dtype(quant.get("dense_dtype", "float32"))
   if (not cfg.tie_word_embeddings and not tree.embed.quantized
       and stored.itemsize < jnp.dtype(dtype).itemsize):
