@@ -8,10 +8,10 @@ scores, which every device keeps whole). Matrices keep the HF orientation `[out,
 loading never transposes; gate and up projections are fused into one `[2F, D]` matrix
 (rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
 
-The dense format is part of the declaration too: `abstract(cfg, dense_bits=8 | 4)` marks every
-`quantizable` leaf (the dense matmul weights and the embedding) as a group-wise `QArray` of that
-width, so the store's reader, the memory plan (`nbytes`, `shapes`) and the mesh placement follow
-from the one tree.
+The dense format is part of the declaration too: `abstract(cfg, dense_bits=8 | 4)` declares
+every `quantizable` leaf (dense matmul weights, heads, the embedding) as a group-wise `QArray`
+at the width `DENSE_RECIPES` gives its kind, so the converter, the store's reader, the memory
+plan (`nbytes`, `shapes`, `dense_plan`) and the mesh placement follow from the one tree.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config
-from glmjax.model.quant import QArray, check_bits_group, qarray_shapes
+from glmjax.model.quant import check_bits_group, qarray_shapes
 
 
 def _pytree(cls):
@@ -161,8 +161,9 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
 
   `dense_bits` 8 or 4 declares the quantizable leaves (`ArrayInfo.quantizable`: attention and
   indexer projections, shared experts, dense MLPs, the MTP's `eh_proj`, the lm head and the
-  embedding) as group-wise QArrays with `dense_group_size`; routed experts are never part of
-  the dense format (the expert store holds them).
+  embedding) as group-wise QArrays with `dense_group_size`, at `DENSE_RECIPES[dense_bits]`'s
+  widths (`dense_format`); routed experts are never part of the dense format (the expert
+  store holds them).
   """
   d, f32 = cfg.hidden_size, jnp.float32
 
