@@ -292,3 +292,16 @@ def test_int8_dense_store_on_a_mesh(tmp_path):
   r = subprocess.run([sys.executable, "-c", _MESH_RUN, dst], capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_dense_store_offloaded_equals_resident(dense_store):
+  """With no expert cache the offload engine runs the layer steps (each its own jit) on the
+  quantized dense weights: the same logits and greedy tokens as the resident model."""
+  bits, path = dense_store
+  toks = tokens(1, 2, 12)
+  with glmjax.load(path, progress=False) as m:
+    want, greedy = m.score(toks), m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens
+  with glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=0) as m:
+    assert m.offloaded and isinstance(m.engine.dense.layers[0].attn.kv_b, QArray)
+    np.testing.assert_array_equal(m.score(toks), want)
+    assert m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens == greedy
