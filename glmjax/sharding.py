@@ -13,12 +13,15 @@ dense math from the weights' shardings; the MoE block runs under `shard_map`,
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glmjax.errors import InputError
 from glmjax.model.config import Config
+from glmjax.model.quant import QArray
 from glmjax.model.weights import ArrayInfo, MoE, Weights, abstract, is_info, map_infos
 
 MESH_AXES = ("data", "expert", "tensor")
@@ -84,10 +87,16 @@ def place_dense(dense: Weights, cfg: Config, mesh: Mesh) -> Weights:
       lw.mlp.experts = None
   for m, d in zip(tree.mtp, dense.mtp):
     m.head = None if d.head is None else tree.embed
-  return jax.tree_util.tree_map(
-      lambda info, a: put(a, NamedSharding(mesh, spec(info.axes, info.shape, mesh,
-                                                      ", ".join(info.hf_names)))),
-      tree, dense, is_leaf=is_info)
+  def place(info: ArrayInfo, a):
+    where = ", ".join(info.hf_names)
+    if isinstance(a, QArray):  # packed weights and scales split by rows as the float matrix
+      # is; their last axes (packed inputs, groups) stay whole on each device.
+      return dataclasses.replace(a, **{f: put(x, NamedSharding(mesh, spec(
+          (*info.axes[:-1], None), x.shape, mesh, where))) for f, x in
+          (("packed", a.packed), ("scales", a.scales))})
+    return put(a, NamedSharding(mesh, spec(info.axes, info.shape, mesh, where)))
+
+  return jax.tree_util.tree_map(place, tree, dense, is_leaf=is_info)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

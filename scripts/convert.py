@@ -24,6 +24,12 @@ flags.DEFINE_enum("mtp_bits", "8", ["4", "8"],
 flags.DEFINE_integer("group_size", 64, "Input features per quantization scale.", lower_bound=2)
 flags.DEFINE_enum("dense_dtype", "bfloat16", ["bfloat16", "float16", "float32"],
                   "Storage dtype of the dense weights.")
+flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
+                  "Quantize the dense matmul weights (attention and indexer projections, shared "
+                  "experts, dense MLPs, lm head, embedding) to this many bits; 0 keeps them in "
+                  "--dense_dtype.")
+flags.DEFINE_integer("dense_group_size", 64, "Input features per scale of quantized dense "
+                     "weights.", lower_bound=2)
 flags.DEFINE_integer("workers", 4, "Threads quantizing experts in parallel.", lower_bound=1)
 
 
@@ -38,7 +44,8 @@ def main(argv):
   t0 = time.perf_counter()
   try:
     m = convert(FLAGS.src, FLAGS.dst, expert_bits=int(FLAGS.expert_bits), group_size=FLAGS.group_size,
-                mtp_bits=int(FLAGS.mtp_bits), dense_dtype=FLAGS.dense_dtype, workers=FLAGS.workers)
+                mtp_bits=int(FLAGS.mtp_bits), dense_dtype=FLAGS.dense_dtype, workers=FLAGS.workers,
+                dense_bits=int(FLAGS.dense_bits), dense_group_size=FLAGS.dense_group_size)
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -118,7 +118,8 @@ def plan(ckpt: HFCheckpoint, cfg: Config, dtype=jnp.float32) -> Weights:
   if tree.mtp and f"model.layers.{cfg.num_hidden_layers}.shared_head.head.weight" in names:
     for j, m in enumerate(tree.mtp):
       m.head = ArrayInfo((cfg.vocab_size, cfg.hidden_size), dtype, ("vocab", "embed"),
-                         (f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
+                         (f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",),
+                         quantizable="head")
   expected = {n for i in leaves_with_info(tree) for n in expand_names(i, cfg.n_routed_experts)}
   missing = sorted(expected - names)
   if missing:

@@ -20,10 +20,10 @@ from tqdm import tqdm
 from glmjax.formats import store
 from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names,
                                       fp8_block_size, plan, read_float, require_finite)
-from glmjax.formats.quantize import quantize_into
+from glmjax.formats.quantize import quantize, quantize_into
 from glmjax.model.config import Config
 from glmjax.errors import CheckpointError
-from glmjax.model.weights import MoE, leaves_with_info
+from glmjax.model.weights import DENSE_BITS, MoE, dense_format, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
 # Test hook: exit abruptly after this many expert chunks, as a kill would.
@@ -114,8 +114,12 @@ def _writable(dst: str) -> None:
 
 
 def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_bits: int = 8,
-            dense_dtype: str = "bfloat16", workers: int = 4, progress: bool = True) -> dict:
-  """Converts the HF checkpoint at `src` into a store at `dst`; returns the manifest."""
+            dense_dtype: str = "bfloat16", workers: int = 4, progress: bool = True,
+            dense_bits: int = 0, dense_group_size: int = 64) -> dict:
+  """Converts the HF checkpoint at `src` into a store at `dst`; returns the manifest.
+
+  `dense_bits` 8 or 4 stores the quantizable dense leaves (`ArrayInfo.quantizable`) as
+  group-wise QArrays of `dense_group_size`; the other dense leaves stay in `dense_dtype`."""
   import ml_dtypes
   import tensorstore as ts
 
@@ -125,6 +129,10 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     raise CheckpointError(f"group_size must be an even number ≥ 2, got {group_size}")
   if dense_dtype not in _DENSE_DTYPES:
     raise CheckpointError(f"dense_dtype must be one of {_DENSE_DTYPES}, got {dense_dtype!r}")
+  if dense_bits not in DENSE_BITS:
+    raise CheckpointError(f"dense_bits must be 8 or 4 (0: unquantized), got {dense_bits}")
+  if dense_bits and (dense_group_size < 2 or dense_group_size % 2):
+    raise CheckpointError(f"dense_group_size must be an even number ≥ 2, got {dense_group_size}")
   if os.path.abspath(src) == os.path.abspath(dst):
     raise CheckpointError(f"{dst}: destination must differ from the source")
   cfg = Config.from_json(src)
@@ -134,7 +142,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   for name in sorted(ckpt.names()):  # open every shard now: a bad one fails before any work
     ckpt.info(name)
   block = fp8_block_size(src)
-  tree = plan(ckpt, cfg)
+  tree = dense_format(plan(ckpt, cfg), dense_bits, dense_group_size)
   if os.path.exists(os.path.join(dst, store.MANIFEST)):
     manifest = store.read_manifest(dst)
     if progress:
@@ -143,8 +151,12 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
 
   _writable(dst)
   ddtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dense_dtype]
+  # The dense format's keys appear only when it is quantized: a store converted before they
+  # existed resumes, and its manifest reads the same.
+  dense_quant = ({"dense_bits": dense_bits, "dense_group_size": dense_group_size} if dense_bits
+                 else {})
   settings = {"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
-              "dense_dtype": dense_dtype, "source_config": raw_config}
+              "dense_dtype": dense_dtype, **dense_quant, "source_config": raw_config}
   prog = _Progress(dst, settings)
 
   def read(name):
@@ -220,7 +232,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   manifest = store.write_manifest(
       dst, quant={"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
                   "scheme": "symmetric group-wise, bf16 scales, round-to-nearest",
-                  "dense_dtype": dense_dtype},
+                  "dense_dtype": dense_dtype, **dense_quant},
       source={"path": os.path.abspath(src), "fp8_block_size": block}, source_config=out_config,
       moe_layers=moe_layers, mtp_layers=mtp_layers,
       mtp_has_head=bool(tree.mtp) and tree.mtp[0].head is not None, experts=group_meta,
@@ -246,9 +258,14 @@ def _save_dense(parts, ckpt, cfg, dst, ddtype, read, prog, src_bytes, bar) -> No
     infos = store.flat_leaves(part)
     part_bytes = sum(src_bytes[n] for i in infos.values() for n in i.hf_names)
     if pname not in prog.done:
-      arrays = {k: np.asarray(assemble(i, ckpt, cfg, read)).astype(
-          np.float32 if np.dtype(i.dtype) == np.float32 and _keep_f32(i) else ddtype, copy=False)
-          for k, i in infos.items()}
+      arrays = {}
+      for k, i in infos.items():
+        a = np.asarray(assemble(i, ckpt, cfg, read))
+        if i.quantized:  # from the source values, as the experts are
+          arrays.update(store.stored_arrays(k, i, quantize(a, i.bits, i.group_size)))
+        else:
+          arrays[k] = a.astype(np.float32 if np.dtype(i.dtype) == np.float32 and _keep_f32(i)
+                               else ddtype, copy=False)
       part_dir = os.path.abspath(os.path.join(dst, "dense", pname))
       shutil.rmtree(part_dir, ignore_errors=True)
       ckptr.save(part_dir, arrays)

@@ -8,7 +8,10 @@ Layout of a store directory (format 1):
     generation_config.json, tokenizer.json, tokenizer_config.json   copied when present
     dense/<part>/          orbax checkpoints, one per part: "global" (embed, final norm,
                            lm_head), "layer_NNN" (attention, norms, router, shared expert or
-                           dense MLP of layer NNN), "mtp_N" (the MTP block's dense weights)
+                           dense MLP of layer NNN), "mtp_N" (the MTP block's dense weights).
+                           With a quantized dense format (manifest quant.dense_bits 8 | 4) a
+                           quantized leaf `k` is stored as two arrays, `k#packed` and
+                           `k#scales`, in the QArray layout the experts use.
     experts/<group>/       zarr v3 uint8 arrays [layers, E, B]; group "main" holds the MoE
                            layers, "mtp" the MTP layer(s). One chunk = one (layer, expert) =
                            B bytes: the expert's packed weights and scales back to back, in
@@ -36,7 +39,8 @@ from glmjax.model.config import Config
 from glmjax.formats.checkpoint import require_finite
 from glmjax.errors import CheckpointError
 from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
-from glmjax.model.weights import MoE, Weights, abstract, is_info, to_device
+from glmjax.model.weights import (ArrayInfo, Weights, abstract, dense_format, dense_only,
+                                   is_info, strip_routed, to_device)
 
 FORMAT = "glmjax-expert-store"
 FORMAT_VERSION = 1
@@ -139,17 +143,31 @@ def expert_spec(path: str, shape=None, create: bool = False) -> dict:
 def dense_parts(tree: Weights) -> dict[str, Any]:
   """The dense (non-routed-expert) weights, split into the parts stored one orbax checkpoint
   each, so that conversion and loading only ever hold one layer's dense weights."""
-  def strip(layer):
-    if isinstance(layer.mlp, MoE):
-      layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, experts=None))
-    return layer
-
   parts = {"global": {"embed": tree.embed, "norm": tree.norm, "lm_head": tree.lm_head}}
   for i, layer in enumerate(tree.layers):
-    parts[f"layer_{i:03d}"] = strip(layer)
+    parts[f"layer_{i:03d}"] = strip_routed(layer)
   for j, m in enumerate(tree.mtp):
-    parts[f"mtp_{j}"] = dataclasses.replace(m, layer=strip(m.layer))
+    parts[f"mtp_{j}"] = dataclasses.replace(m, layer=strip_routed(m.layer))
   return parts
+
+
+QSUFFIXES = ("#packed", "#scales")  # a quantized leaf's two stored arrays
+
+
+def stored_arrays(key: str, info: ArrayInfo, value) -> dict[str, Any]:
+  """{stored key: array} of one dense leaf: itself, or a QArray's packed weights and scales."""
+  if info.quantized:
+    return {key + QSUFFIXES[0]: value.packed, key + QSUFFIXES[1]: value.scales}
+  return {key: value}
+
+
+def stored_infos(infos: dict[str, ArrayInfo]) -> dict[str, tuple[str, Any]]:
+  """{stored key: (leaf key, shape struct of that stored array)} of a part's leaves."""
+  out = {}
+  for k, info in infos.items():
+    s = info.shape_struct()
+    out.update({sk: (k, a) for sk, a in stored_arrays(k, info, s).items()})
+  return out
 
 
 def flat_leaves(part) -> dict[str, Any]:
@@ -348,25 +366,32 @@ def _read_checked(fname: str, nbytes: int, what: str) -> np.ndarray:
 
 def dense_abstract(path: str, dtype=jnp.float32) -> tuple[Config, Weights]:
   """A store's config and the abstract tree (`ArrayInfo` leaves) of its dense weights in
-  `dtype`: what `load_dense` will allocate, known before it does."""
+  `dtype` (routed experts None; quantized leaves as the store's dense format declares them):
+  what `load_dense` will allocate, known before it does."""
   manifest = read_manifest(path)
   cfg = Config.from_dict(manifest["source_config"], source=os.path.join(path, MANIFEST))
+  quant = manifest["quant"]
   tree = abstract(cfg, dtype, with_mtp=bool(manifest["mtp_layers"]))
-  if manifest.get("mtp_has_head"):
-    for m in tree.mtp:
-      m.head = tree.embed
-  stored = jnp.dtype(manifest["quant"].get("dense_dtype", "float32"))
-  if not cfg.tie_word_embeddings and stored.itemsize < jnp.dtype(dtype).itemsize:
+  if manifest.get("mtp_has_head"):  # the MTP layer's own shared_head.head, declared as the
+    for j, m in enumerate(tree.mtp):  # converter's `plan` declares it
+      m.head = dataclasses.replace(tree.embed, quantizable="head", hf_names=(
+          f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
+  tree = dense_format(tree, quant.get("dense_bits", 0), quant.get("dense_group_size", 64))
+  stored = jnp.dtype(quant.get("dense_dtype", "float32"))
+  if (not cfg.tie_word_embeddings and not tree.embed.quantized
+      and stored.itemsize < jnp.dtype(dtype).itemsize):
     # The embedding is a gather, not a matmul: its rows are upcast as they are read, to the
     # same values a wider table holds (1.9 GB saved at GLM-5's vocabulary in float32).
     tree = dataclasses.replace(tree, embed=dataclasses.replace(tree.embed, dtype=stored))
-  return cfg, tree
+  # Without the routed experts (the tiers hold them): `load()` plans memory from these bytes,
+  # which used to count every routed expert again in the dense dtype.
+  return cfg, dense_only(tree)
 
 
 WHOLE_PART_BYTES = 256 << 20  # dense parts up to this size are restored in one call
 
 
-def _restore_groups(ckptr, part_dir: str, infos: dict) -> list[list[str]]:
+def _restore_groups(ckptr, part_dir: str, infos) -> list[list[str]]:
   """The part's leaf keys in restore calls: all at once for a small part, else one by one."""
   try:
     stored = ckptr.metadata(part_dir).item_metadata.tree
@@ -396,6 +421,15 @@ def _restore(ckptr, part_dir: str, keys: list[str]) -> dict:
   return dict(out)
 
 
+def _leaf(key: str, info: ArrayInfo, got: dict):
+  """Leaf `key` from its restored arrays: the array, or the QArray of its packed weights and
+  scales."""
+  if not info.quantized:
+    return got.pop(key)
+  return QArray(got.pop(key + QSUFFIXES[0]), got.pop(key + QSUFFIXES[1]), info.bits,
+                info.group_size, info.shape[-1])
+
+
 def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool = True
                ) -> tuple[Config, Weights]:
   """A store's config and dense weights; routed experts are left as None (served by tiers)."""
@@ -412,23 +446,28 @@ def load_dense(path: str, dtype=jnp.float32, progress: bool = True, verify: bool
     infos = {jax.tree_util.keystr(p): i for p, i in flat}
     part_dir = os.path.abspath(os.path.join(path, "dense", name))
     sums = manifest["dense"][name]
-    leaves = []
+    stored = stored_infos(infos)
+    got = {}
     # Restored in the dtype the converter stored (bf16 by default): integrity is checked on
     # those bytes, and only then is each array cast to the requested dtype and the stored copy
     # dropped. A large part is restored leaf by leaf (orbax holds about twice what it
     # restores while it reads), so that loading never holds much more than the weights.
-    for keys in _restore_groups(ckptr, part_dir, infos):
+    # A quantized leaf's packed weights and scales are kept as stored (never cast).
+    for keys in _restore_groups(ckptr, part_dir, stored):
       arrays = _restore(ckptr, part_dir, keys)
-      for k in keys:
-        a = np.asarray(arrays[k])
-        if a.shape != tuple(infos[k].shape):
-          raise CheckpointError(f"{part_dir}: {k} ({', '.join(infos[k].hf_names)}) has shape "
-                                f"{a.shape}, the config says {tuple(infos[k].shape)}")
-        if verify and crc(a) != sums[k]:
-          raise CheckpointError(f"{part_dir}: checksum mismatch for {k} "
-                                f"({', '.join(infos[k].hf_names)})")
-        require_finite(a, part_dir, ", ".join(infos[k].hf_names))
-        leaves.append(to_device(arrays.pop(k), infos[k].dtype))
+      for sk in keys:
+        k, want = stored[sk]
+        info, a = infos[k], np.asarray(arrays[sk])
+        if a.shape != tuple(want.shape):
+          raise CheckpointError(f"{part_dir}: {sk} ({', '.join(info.hf_names)}) has shape "
+                                f"{a.shape}, the config says {tuple(want.shape)}")
+        if verify and crc(a) != sums[sk]:
+          raise CheckpointError(f"{part_dir}: checksum mismatch for {sk} "
+                                f"({', '.join(info.hf_names)})")
+        if not np.issubdtype(a.dtype, np.integer):
+          require_finite(a, part_dir, ", ".join(info.hf_names))
+        got[sk] = to_device(arrays.pop(sk), want.dtype if info.quantized else info.dtype)
+    leaves = [_leaf(k, i, got) for k, i in infos.items()]
     filled[name] = jax.tree_util.tree_unflatten(treedef, leaves)
   g = filled["global"]
   return cfg, Weights(embed=g["embed"], layers=[filled[f"layer_{i:03d}"] for i in

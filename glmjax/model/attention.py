@@ -30,7 +30,8 @@ from glmjax.errors import InputError
 from glmjax.model import kvcache
 from glmjax.model.config import Config
 from glmjax.model.kvcache import LayerCache
-from glmjax.model.layers import F32, LATENT_NORM_EPS, layer_norm, linear, rms_norm, rope_angles, rope_interleaved
+from glmjax.model.layers import (F32, LATENT_NORM_EPS, as_f32, layer_norm, linear, rms_norm,
+                                  rope_angles, rope_interleaved)
 from glmjax.model.weights import Attention, Indexer
 
 IMPLS = ("sparse", "dense")
@@ -370,7 +371,7 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     view = KeyView(cache.latent, cache.k_rope, cache.index_k, pages)
     q_slots = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
 
-  kv_b = w.kv_b.astype(F32).reshape(h, n + cfg.v_head_dim, c)
+  kv_b = as_f32(w.kv_b).reshape(h, n + cfg.v_head_dim, c)
   w_uk, w_uv = kv_b[:, :n], kv_b[:, n:]  # [H, N, C], [H, V, C]
   dsa = w.indexer is not None or selection is not None
   sparse = dsa and impl == "sparse" and view.slots > cfg.index_topk

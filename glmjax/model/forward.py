@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from glmjax.model.attention import Taps, attention
 from glmjax.model.config import Config
 from glmjax.model.kvcache import KVCache, LayerCache, init_cache  # noqa: F401 (re-exported)
-from glmjax.model.layers import F32, linear, rms_norm, swiglu
+from glmjax.model.layers import F32, embed_rows, linear, rms_norm, swiglu
 from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
                               route_capped, route_scores)
 from glmjax.model.mtp import mtp_input, mtp_output_logits
@@ -89,7 +89,7 @@ def moe_finish(m: MoE, x, flat, ys, w):
 
 
 def embed(w: Weights, tokens):
-  return w.embed[tokens].astype(F32)
+  return embed_rows(w.embed, tokens)
 
 
 def logits_of(w: Weights, x, cfg: Config):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glmjax.model.quant import QArray, dequantize
+
 F32 = jnp.float32
 
 # q_a_layernorm, kv_a_layernorm and the indexer's k_norm use this eps in GLM-5 regardless of
@@ -30,9 +32,24 @@ def layer_norm(x, w, b, eps: float = LATENT_NORM_EPS):
   return (x - mu) * jax.lax.rsqrt(var + eps) * w.astype(F32) + b.astype(F32)
 
 
+def as_f32(w):
+  """A weight as float32: upcast, or dequantized when it is a QArray (a quantized dense format:
+  XLA dequantizes, then the dot runs in float32 as for float weights)."""
+  return dequantize(w, F32) if isinstance(w, QArray) else w.astype(F32)
+
+
 def linear(x, w):
-  """x @ wᵀ with w in HF `[out, in]` orientation."""
-  return jnp.einsum("...i,oi->...o", x, w.astype(F32))
+  """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray)."""
+  return jnp.einsum("...i,oi->...o", x, as_f32(w))
+
+
+def embed_rows(table, tokens):
+  """Rows `tokens` of the embedding `table` `[V, D]` as float32 `[*tokens.shape, D]`; a QArray
+  table is gathered first (packed rows and their scales), then only those rows dequantized."""
+  if isinstance(table, QArray):
+    return dequantize(QArray(table.packed[tokens], table.scales[tokens], table.bits,
+                             table.group_size, table.in_features), F32)
+  return table[tokens].astype(F32)
 
 
 def rope_angles(positions, dim: int, theta: float):

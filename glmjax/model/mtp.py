@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from glmjax.model.config import Config
 from glmjax.model.kvcache import PAGE_SIZE, KVCache, identity_pages, init_pool
-from glmjax.model.layers import F32, linear, rms_norm
+from glmjax.model.layers import embed_rows, linear, rms_norm
 from glmjax.model.weights import MTP, Weights
 
 
@@ -32,7 +32,7 @@ def _head(w: Weights, m: MTP):
 
 def mtp_input(w: Weights, m: MTP, h, next_tokens, cfg: Config):
   """u `[B, S, D]`: eh_proj of the normed next-token embedding and normed hidden state."""
-  e = rms_norm(w.embed[next_tokens].astype(F32), m.enorm, cfg.rms_norm_eps)
+  e = rms_norm(embed_rows(w.embed, next_tokens), m.enorm, cfg.rms_norm_eps)
   hn = rms_norm(h, m.hnorm, cfg.rms_norm_eps)
   return linear(jnp.concatenate([e, hn], axis=-1), m.eh_proj)
 

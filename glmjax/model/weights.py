@@ -7,6 +7,11 @@ loading (`glmjax.formats.checkpoint`), checkpoint writing and the sharding plan
 scores, which every device keeps whole). Matrices keep the HF orientation `[out, in]`, so
 loading never transposes; gate and up projections are fused into one `[2F, D]` matrix
 (rows 0..F-1 gate, F..2F-1 up), the layout the MoE kernels consume.
+
+The dense format is part of the declaration too: `abstract(cfg, dense_bits=8 | 4)` declares
+every `quantizable` leaf (dense matmul weights, heads, the embedding) as a group-wise `QArray`
+at the width `DENSE_RECIPES` gives its kind, so the converter, the store's reader, the memory
+plan (`nbytes`, `shapes`, `dense_plan`) and the mesh placement follow from the one tree.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config
+from glmjax.model.quant import check_bits_group, qarray_shapes
 
 
 def _pytree(cls):
@@ -41,10 +47,35 @@ class ArrayInfo:
   axes: tuple[str, ...]
   hf_names: tuple[str, ...]
   init: str = "normal"  # normal | ones | zeros
+  # "matmul" (a dense matmul weight), "head" (the lm head, the MTP's own head) or "embedding":
+  # a quantized dense format stores it as a QArray at its `DENSE_RECIPES` width. "": never
+  # quantized (norms, biases, the router and its bias, the indexer's head weights, routed
+  # experts).
+  quantizable: str = ""
+  bits: int = 0  # 0: a float array of `dtype`; 4 | 8: a group-wise QArray (`quant.py`)
+  group_size: int = 64
 
   @property
   def per_expert(self) -> bool:
     return "{e}" in self.hf_names[0]
+
+  @property
+  def quantized(self) -> bool:
+    return self.bits != 0
+
+  def shape_struct(self):
+    """The leaf without data: a `jax.ShapeDtypeStruct`, or a QArray of them when quantized."""
+    if self.quantized:
+      return qarray_shapes(self.shape[-2], self.shape[-1], self.bits, self.group_size,
+                           lead=self.shape[:-2])
+    return jax.ShapeDtypeStruct(self.shape, jnp.dtype(self.dtype))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes this leaf takes when allocated (packed weights and scales when quantized)."""
+    if self.quantized:
+      return self.shape_struct().nbytes
+    return int(np.prod(self.shape)) * jnp.dtype(self.dtype).itemsize
 
 
 def is_info(x) -> bool:
@@ -121,20 +152,34 @@ class Weights:
 
 # --- the declaration ------------------------------------------------------------------------
 
-def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True) -> Weights:
-  """The abstract weight tree of `cfg`; `dtype` is the storage dtype of non-router weights."""
+DENSE_BITS = (0, 4, 8)  # 0: float dense weights (the default)
+
+
+def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: int = 0,
+             dense_group_size: int = 64) -> Weights:
+  """The abstract weight tree of `cfg`; `dtype` is the storage dtype of non-router weights.
+
+  `dense_bits` 8 or 4 declares the quantizable leaves (`ArrayInfo.quantizable`: attention and
+  indexer projections, shared experts, dense MLPs, the MTP's `eh_proj`, the lm head and the
+  embedding) as group-wise QArrays with `dense_group_size`, at `DENSE_RECIPES[dense_bits]`'s
+  widths (`dense_format`); routed experts are never part of the dense format (the expert
+  store holds them).
+  """
   d, f32 = cfg.hidden_size, jnp.float32
 
-  def info(shape, axes, *names, init="normal", dt=None):
-    return ArrayInfo(tuple(shape), dt or dtype, tuple(axes), tuple(names), init)
+  def info(shape, axes, *names, init="normal", dt=None, q=""):
+    return ArrayInfo(tuple(shape), dt or dtype, tuple(axes), tuple(names), init, quantizable=q)
+
+  def mat(shape, axes, *names):
+    return info(shape, axes, *names, q="matmul")
 
   def norm(n, name):
     return info((n,), ("norm",), name, init="ones")
 
   def mlp(p, f):
     return MLP(
-        gate_up=info((2 * f, d), ("mlp", "embed"), f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
-        down=info((d, f), ("embed", "mlp"), f"{p}.down_proj.weight"))
+        gate_up=mat((2 * f, d), ("mlp", "embed"), f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
+        down=mat((d, f), ("embed", "mlp"), f"{p}.down_proj.weight"))
 
   def layer(i):
     p = f"model.layers.{i}"
@@ -144,21 +189,21 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True) -> Weights:
     if cfg.has_indexer(i):
       hi, di = cfg.index_n_heads, cfg.index_head_dim
       indexer = Indexer(
-          wq_b=info((hi * di, q), ("index_heads", "q_lora"), f"{a}.indexer.wq_b.weight"),
-          wk=info((di, d), ("index_head_dim", "embed"), f"{a}.indexer.wk.weight"),
+          wq_b=mat((hi * di, q), ("index_heads", "q_lora"), f"{a}.indexer.wq_b.weight"),
+          wk=mat((di, d), ("index_head_dim", "embed"), f"{a}.indexer.wk.weight"),
           k_norm_w=info((di,), ("norm",), f"{a}.indexer.k_norm.weight", init="ones"),
           k_norm_b=info((di,), ("norm",), f"{a}.indexer.k_norm.bias", init="zeros"),
           weights_proj=info((hi, d), ("index_heads", "embed"), f"{a}.indexer.weights_proj.weight",
                             dt=f32))
     attn = Attention(
-        q_a=info((q, d), ("q_lora", "embed"), f"{a}.q_a_proj.weight"),
+        q_a=mat((q, d), ("q_lora", "embed"), f"{a}.q_a_proj.weight"),
         q_a_norm=norm(q, f"{a}.q_a_layernorm.weight"),
-        q_b=info((h * cfg.qk_head_dim, q), ("heads", "q_lora"), f"{a}.q_b_proj.weight"),
-        kv_a=info((c + r, d), ("kv_lora", "embed"), f"{a}.kv_a_proj_with_mqa.weight"),
+        q_b=mat((h * cfg.qk_head_dim, q), ("heads", "q_lora"), f"{a}.q_b_proj.weight"),
+        kv_a=mat((c + r, d), ("kv_lora", "embed"), f"{a}.kv_a_proj_with_mqa.weight"),
         kv_a_norm=norm(c, f"{a}.kv_a_layernorm.weight"),
-        kv_b=info((h * (cfg.qk_nope_head_dim + cfg.v_head_dim), c), ("heads", "kv_lora"),
+        kv_b=mat((h * (cfg.qk_nope_head_dim + cfg.v_head_dim), c), ("heads", "kv_lora"),
                   f"{a}.kv_b_proj.weight"),
-        o=info((d, h * cfg.v_head_dim), ("embed", "heads"), f"{a}.o_proj.weight"),
+        o=mat((d, h * cfg.v_head_dim), ("embed", "heads"), f"{a}.o_proj.weight"),
         indexer=indexer)
     if cfg.is_moe(i):
       e, m = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -181,17 +226,63 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True) -> Weights:
   def mtp(i):
     p = f"model.layers.{i}"
     return MTP(enorm=norm(d, f"{p}.enorm.weight"), hnorm=norm(d, f"{p}.hnorm.weight"),
-               eh_proj=info((d, 2 * d), ("embed", "embed2"), f"{p}.eh_proj.weight"),
+               eh_proj=mat((d, 2 * d), ("embed", "embed2"), f"{p}.eh_proj.weight"),
                head_norm=norm(d, f"{p}.shared_head.norm.weight"), head=None, layer=layer(i))
 
   n = cfg.num_hidden_layers
-  return Weights(
-      embed=info((cfg.vocab_size, d), ("vocab", "embed"), "model.embed_tokens.weight"),
+  return dense_format(Weights(
+      embed=info((cfg.vocab_size, d), ("vocab", "embed"), "model.embed_tokens.weight",
+                 q="embedding"),
       layers=[layer(i) for i in range(n)],
       norm=norm(d, "model.norm.weight"),
       lm_head=None if cfg.tie_word_embeddings else info(
-          (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight"),
-      mtp=[mtp(n + j) for j in range(cfg.num_nextn_predict_layers)] if with_mtp else [])
+          (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight", q="head"),
+      mtp=[mtp(n + j) for j in range(cfg.num_nextn_predict_layers)] if with_mtp else []),
+      dense_bits, dense_group_size)
+
+
+# Each dense format's widths per kind of quantizable leaf (0: kept float, in the store's dense
+# dtype). Measured on the embedded model (scripts/dense_kl.py, KL against the float model):
+# - int8: the embedding stays bfloat16 (a gather: it costs no compute, and int8 rows alone add
+#   4.4e-4 nats/token); GLM-5's int8 dense part still plans at 19.34 GB.
+# - int4: the head int8 and the embedding int4 (1.37e-2 against 2.09e-2 all int4, and 1.82e-2
+#   the other way round, at the same bytes): the head is the most sensitive matrix (int4 head
+#   alone 7.1e-3), and GLM-5's int4 dense part has no room for both (10.19 GB).
+DENSE_RECIPES = {8: {"matmul": 8, "head": 8, "embedding": 0},
+                 4: {"matmul": 4, "head": 8, "embedding": 4}}
+
+
+def dense_format(tree: Weights, bits: int, group_size: int = 64) -> Weights:
+  """`tree` with its quantizable leaves declared as QArrays at the widths `DENSE_RECIPES[bits]`
+  gives their kind. `bits` 0 leaves the tree unchanged."""
+  if bits not in DENSE_BITS:
+    raise ValueError(f"dense_bits must be one of {DENSE_BITS}, got {bits}")
+  if not bits:
+    return tree
+  check_bits_group(bits, group_size)
+  width = DENSE_RECIPES[bits]
+  return map_infos(lambda i: dataclasses.replace(i, bits=width[i.quantizable],
+                                                 group_size=group_size)
+                   if i.quantizable else i, tree)
+
+
+def strip_routed(layer: Layer) -> Layer:
+  """`layer` with its routed experts left out (None): what the dense part of a store holds."""
+  if isinstance(layer.mlp, MoE):
+    layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, experts=None))
+  return layer
+
+
+def dense_only(tree: Weights) -> Weights:
+  """The tree without routed experts: the resident dense part of an expert store."""
+  return dataclasses.replace(
+      tree, layers=[strip_routed(l) for l in tree.layers],
+      mtp=[dataclasses.replace(m, layer=strip_routed(m.layer)) for m in tree.mtp])
+
+
+def shapes(tree: Weights) -> Weights:
+  """The tree with data-free leaves (`ArrayInfo.shape_struct`), for `jax.eval_shape`."""
+  return map_infos(lambda i: i.shape_struct(), tree)
 
 
 def leaves_with_info(tree: Weights) -> list[ArrayInfo]:
@@ -231,5 +322,32 @@ def to_device(x, dtype) -> jax.Array:
 
 
 def nbytes(tree) -> int:
-  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+  """Bytes of a tree of arrays, shape structs or `ArrayInfo`s (quantized ones as QArrays)."""
+  return sum(x.nbytes if is_info(x) else int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
              for x in jax.tree_util.tree_leaves(tree, is_leaf=is_info))
+
+
+DENSE_FORMATS = {"float32": (jnp.float32, 0), "bfloat16": (jnp.bfloat16, 0),
+                 "int8": (jnp.float32, 8), "int4": (jnp.float32, 4)}
+
+
+def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = True
+               ) -> dict[str, int]:
+  """Resident bytes of the dense part (everything but the routed experts) in the dense format
+  `fmt` ("float32" | "bfloat16" | "int8" | "int4"), from the declaration alone: nothing is
+  allocated.
+
+  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales), a float
+  embedding (int8: `DENSE_RECIPES`) stays bfloat16 (the converter's dense dtype, kept at load by
+  `store.dense_abstract`), and the rest (norms, router and its bias, the indexer's head
+  weights) float32. Returns {"quantized": ..., "float": ..., "total": ...} in bytes.
+  """
+  if fmt not in DENSE_FORMATS:
+    raise ValueError(f"dense format must be one of {sorted(DENSE_FORMATS)}, got {fmt!r}")
+  dtype, bits = DENSE_FORMATS[fmt]
+  tree = dense_only(abstract(cfg, dtype, with_mtp, dense_bits=bits, dense_group_size=group_size))
+  if bits and not tree.embed.quantized:
+    tree = dataclasses.replace(tree, embed=dataclasses.replace(tree.embed, dtype=jnp.bfloat16))
+  quantized = sum(i.nbytes for i in leaves_with_info(tree) if i.quantized)
+  total = nbytes(tree)
+  return {"quantized": quantized, "float": total - quantized, "total": total}
