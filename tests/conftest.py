@@ -97,6 +97,18 @@ def _cpu_kernels_compiled():
     time.sleep(0.05)
 
 
+# The files that take longest, first: xdist's `--dist loadfile` hands whole files to the
+# workers in collection order, so a long file collected last would run alone at the end.
+HEAVY_FIRST = ("test_long_context.py", "test_mesh.py", "test_dense_quant.py", "test_train.py",
+               "test_serve_clients.py", "test_grouped.py", "test_robustness.py",
+               "test_offload.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))
+
+
 def pytest_unconfigure(config):
   if getattr(config, "glmjax_owns_xla_cache", False):
     shutil.rmtree(os.environ.pop("GLMJAX_TEST_XLA_CACHE"), ignore_errors=True)
