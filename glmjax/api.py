@@ -53,8 +53,9 @@ class Model:
   """
 
   def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None,
-               engine=None, mesh=None):
+               engine=None, mesh=None, memory=None):
     self.config = config
+    self.memory = memory  # the offload.budget.MemoryPlan load() made (None if built directly)
     self.weights = weights
     self.options = options
     self.path = path
@@ -473,16 +474,19 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
     if mesh is not None:
       from glmjax import sharding
       sharding.check_mesh(mesh, cfg)
+    opts = opts.resolve_dtype(checkpoint.stored_dtype(path), jax.default_backend())
+    memory = _plan_checkpoint(path, cfg, opts)
     cfg, weights = checkpoint.load_hf(path, cfg, dtype=opts.jnp_dtype, progress=opts.progress,
                                       mesh=mesh)
-    return Model(cfg, weights, opts, path, mesh=mesh)
+    return Model(cfg, weights, opts, path, mesh=mesh, memory=memory)
 
   from glmjax.offload import budget
   from glmjax.offload.engine import OffloadEngine
-  from glmjax.model.weights import nbytes
+  from glmjax.model.weights import format_name, nbytes
   # The budgets are planned before the dense weights are allocated: free memory measured
   # after loading them would count them twice (a GLM-5-geometry store's 10.4 GB of float32
   # dense weights were refused on a 23 GB machine with 12 GB free).
+  opts = opts.resolve_dtype(store.stored_dtype(path), jax.default_backend())
   cfg, tree = store.dense_abstract(path, dtype=opts.jnp_dtype)
   experts = store.ExpertStore(path)
   moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
@@ -492,11 +496,12 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
   if mesh is not None:
     from glmjax import sharding
     sharding.check_mesh(mesh, cfg)
-  budgets = budget.resolve(opts.device_cache_gb, opts.host_cache_gb,
-                           dense_bytes=nbytes(tree),
-                           chunk_bytes=experts.layout(moe_layers[0]).nbytes,
-                           n_moe_layers=len(moe_layers), n_experts=cfg.n_routed_experts,
-                           top_k=cfg.num_experts_per_tok)
+  budgets, memory = budget.resolve(opts.device_cache_gb, opts.host_cache_gb,
+                                   dense_bytes=nbytes(tree), dense_format=format_name(tree),
+                                   kv_bytes=_kv_plan_bytes(cfg, opts),
+                                   chunk_bytes=experts.layout(moe_layers[0]).nbytes,
+                                   n_moe_layers=len(moe_layers), n_experts=cfg.n_routed_experts,
+                                   top_k=cfg.num_experts_per_tok)
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
   if mesh is not None:
     dense = sharding.place_dense(dense, cfg, mesh)
@@ -508,4 +513,22 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
                                       else None), expert_budget=opts.expert_budget, mesh=mesh,
                          attention=opts.attention)
   weights = engine.resident_weights() if engine.all_resident else dense
-  return Model(cfg, weights, opts, path, engine, mesh=mesh)
+  return Model(cfg, weights, opts, path, engine, mesh=mesh, memory=memory)
+
+
+def _kv_plan_bytes(cfg: Config, opts: Options) -> int:
+  """The KV pages `load()` plans for: one sequence of `PLAN_KV_POSITIONS` (or max_context)."""
+  from glmjax.offload.budget import PLAN_KV_POSITIONS
+  layout = KVLayout(cfg, opts.kv_dtype_name, opts.index_dtype_name)
+  positions = min(PLAN_KV_POSITIONS, opts.max_context or cfg.max_position_embeddings)
+  return layout.pages_for(positions) * layout.page_bytes()
+
+
+def _plan_checkpoint(path: str, cfg: Config, opts: Options):
+  """The memory plan of an HF checkpoint held whole, from its declaration (nothing read)."""
+  from glmjax.offload import budget
+  from glmjax.model.weights import dense_only, format_name, nbytes
+  tree = checkpoint.plan(checkpoint.HFCheckpoint(path), cfg, opts.jnp_dtype)
+  dense = nbytes(dense_only(tree))
+  return budget.plan_resident(dense, format_name(tree), _kv_plan_bytes(cfg, opts),
+                              experts=nbytes(tree) - dense)

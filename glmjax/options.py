@@ -14,6 +14,10 @@ import jax.numpy as jnp
 from glmjax.errors import InputError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = ("auto", *_DTYPES)
+# dtype="auto" on a CPU: the float dense format whose matmuls measured fastest there
+# (BUILD_NOTES §22). Quantized dense leaves stay as the store holds them whatever the dtype.
+CPU_AUTO_DTYPE = "float32"
 MAX_PREFILL_CHUNK = 1 << 16
 DEFAULT_PREFILL_CHUNK = 1024  # BUILD_NOTES §19: prefill speed and memory by chunk size
 
@@ -23,8 +27,10 @@ class Options:
   """Options accepted by `glmjax.load(path, **options)`.
 
   Attributes:
-    dtype: storage dtype of the dense weights ("float32", "bfloat16", "float16"); activations
-      and accumulation are float32 regardless.
+    dtype: storage dtype of the float dense weights ("float32", "bfloat16", "float16", or
+      "auto": the checkpoint's or store's own float dtype on an accelerator, and on a CPU
+      `CPU_AUTO_DTYPE`, the measured fastest). Activations and accumulation are float32
+      regardless; a store's int8/int4 dense leaves stay quantized.
     moe_kernel: quantized-expert kernel: "cpu" (numba, deterministic), "pallas", "xla", or
       "auto" (cpu on a CPU-only machine, pallas on GPU/TPU).
     expert_compute: where an offload store's host-cached and missed experts are computed:
@@ -67,7 +73,7 @@ class Options:
       Off by default in the library (cached pages hold memory); the server turns it on.
   """
 
-  dtype: str = "float32"
+  dtype: str = "auto"
   moe_kernel: str = "auto"
   expert_compute: str = "device"
   progress: bool = True
@@ -91,8 +97,8 @@ class Options:
   prefix_cache: bool = False
 
   def __post_init__(self):
-    if self.dtype not in _DTYPES:
-      raise InputError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+    if self.dtype not in DTYPES:
+      raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
     if self.moe_kernel not in ("auto", "cpu", "pallas", "xla"):
       raise InputError(f"moe_kernel must be 'auto', 'cpu', 'pallas' or 'xla', got "
                        f"{self.moe_kernel!r}")
@@ -145,15 +151,25 @@ class Options:
       raise InputError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     return cls(**kwargs)
 
+  def resolve_dtype(self, stored: str, platform: str) -> "Options":
+    """These options with dtype="auto" made concrete for weights `stored` in that float dtype
+    on `platform` ("cpu", "gpu", "tpu"); a concrete dtype is kept."""
+    if self.dtype != "auto":
+      return self
+    name = CPU_AUTO_DTYPE if platform == "cpu" else stored
+    return dataclasses.replace(self, dtype=name if name in _DTYPES else "bfloat16")
+
   @property
   def jnp_dtype(self):
+    if self.dtype == "auto":
+      raise InputError("dtype='auto' is resolved by load() against the weights' own dtype")
     return _DTYPES[self.dtype]
 
   @property
   def kv_dtype_name(self) -> str:
     if self.kv_dtype != "auto":
       return self.kv_dtype
-    return "float32" if self.dtype == "float32" else "bfloat16"
+    return "float32" if self.jnp_dtype == jnp.float32 else "bfloat16"
 
   @property
   def index_dtype_name(self) -> str:

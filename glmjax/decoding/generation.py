@@ -390,6 +390,8 @@ def run_request(model, pool, pages, start: int, prompt_ids: np.ndarray, req: Req
                new_tokens=float(len(req.out)),
                prefill_chunks=float(len(chunk_plan(n, runner.chunk))),
                kv_pages=float(len(pages)), kv_bytes=float(len(pages) * pool.layout.page_bytes()))
+  if model.memory is not None:
+    stats["dense_bytes"] = float(model.memory.dense)
   if engine is not None:
     stats.update(engine_stats(engine, before, model.config.num_experts_per_tok))
     stats["prefill_expert_bytes"] = (read.get("expert_bytes_read", 0.0)

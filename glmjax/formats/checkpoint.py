@@ -75,6 +75,19 @@ class HFCheckpoint:
     return self._file(name).read(name, out)
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def stored_dtype(path: str) -> str:
+  """The float dtype of an HF checkpoint's weights, read from its embedding's header entry
+  (FP8 sources count as bfloat16, their dequantized width)."""
+  ckpt = HFCheckpoint(path)
+  if EMBEDDING not in ckpt.names():
+    raise CheckpointError(f"{path}: tensor {EMBEDDING} not found")
+  dtype, _ = ckpt.info(EMBEDDING)
+  return dtype.name if dtype.itemsize > 1 else "bfloat16"
+
+
 def has_mtp(ckpt: HFCheckpoint, cfg: Config) -> bool:
   """Whether the checkpoint carries the MTP layer (index num_hidden_layers)."""
   return f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in ckpt.names()

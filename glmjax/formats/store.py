@@ -364,6 +364,11 @@ def _read_checked(fname: str, nbytes: int, what: str) -> np.ndarray:
   return data
 
 
+def stored_dtype(path: str) -> str:
+  """The float dtype the store's dense weights were written in (`convert --dense_dtype`)."""
+  return jnp.dtype(read_manifest(path)["quant"].get("dense_dtype", "float32")).name
+
+
 def dense_abstract(path: str, dtype=jnp.float32) -> tuple[Config, Weights]:
   """A store's config and the abstract tree (`ArrayInfo` leaves) of its dense weights in
   `dtype` (routed experts None; quantized leaves as the store's dense format declares them):

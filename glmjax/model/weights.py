@@ -351,3 +351,19 @@ def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = Tru
   quantized = sum(i.nbytes for i in leaves_with_info(tree) if i.quantized)
   total = nbytes(tree)
   return {"quantized": quantized, "float": total - quantized, "total": total}
+
+
+def format_name(tree: Weights) -> str:
+  """The dense format of an abstract tree in words: "bfloat16", or "int8 G64 + bfloat16" (the
+  quantized widths, then the float dtype of the largest float leaves)."""
+  quantized = sorted({(i.bits, i.group_size) for i in leaves_with_info(tree) if i.quantized},
+                     reverse=True)
+  floats: dict[str, int] = {}
+  for i in leaves_with_info(dense_only(tree)):
+    if not i.quantized:
+      name = jnp.dtype(i.dtype).name
+      floats[name] = floats.get(name, 0) + i.nbytes
+  words = [f"int{b} G{g}" for b, g in quantized]
+  if floats:
+    words.append(max(floats, key=floats.get))
+  return " + ".join(words)

@@ -17,6 +17,7 @@ rows are freed at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -183,6 +184,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   async def health(request: Request):
     state = scheduler.state()
     ok = scheduler.dead is None
+    if model.memory is not None:  # what load() planned: each part's bytes, the dense format
+      state["memory"] = dict(dataclasses.asdict(model.memory))
     return JSONResponse({"status": "ok" if ok else "error", "model": name, **state},
                         status_code=200 if ok else 503)
 
