@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import openai
 import pytest
@@ -118,6 +119,12 @@ def _complete(server, prompt, **kw):
 def test_health_and_models(server):
   state = _state(server)
   assert state["status"] == "ok" and state["max_batch"] == 4 and state["max_queue"] == 4
+  # load()'s memory plan: the dense part's format and bytes (float32 on a CPU by default)
+  mem, w = state["memory"], server["model"].weights
+  assert mem["dense_format"] == "float32" and mem["where"] == "host"
+  size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+  routed = [l.mlp.experts for l in w.layers + [t.layer for t in w.mtp] if hasattr(l.mlp, "experts")]
+  assert mem["dense"] == size(w) - size(routed) and mem["experts"] == size(routed)
   models = server["client"].models.list()
   assert [m.id for m in models.data] == [server["name"]]
 
