@@ -38,8 +38,28 @@ def as_f32(w):
   return dequantize(w, F32) if isinstance(w, QArray) else w.astype(F32)
 
 
+def host_kernels() -> bool:
+  """Whether this process computes on the CPU platform, where the numba kernels
+  (`pallas_kernels.cpu*`) replace XLA for quantized and bfloat16 weights."""
+  return jax.default_backend() == "cpu"
+
+
 def linear(x, w):
-  """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray)."""
+  """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray).
+
+  float32 weights: XLA's dot. On the CPU platform, a QArray or bfloat16 matrix goes to the
+  numba dense kernel (custom call; the weight is read as stored, accumulated in float32, each
+  output row bitwise independent of the token count). On accelerators: XLA dequantizes, then
+  dots in float32.
+  """
+  if host_kernels() and (isinstance(w, QArray) and w.packed.ndim == 2
+                         or not isinstance(w, QArray) and w.ndim == 2 and w.dtype == jnp.bfloat16):
+    # Imported on first use: models without such weights never load the custom call.
+    from pallas_kernels import cpu_dense, cpu_dense_ffi
+    if isinstance(w, QArray):
+      return cpu_dense_ffi.matmul_xla(x, w.packed, w.scales, bits=w.bits,
+                                      group_size=w.group_size, in_features=w.in_features)
+    return cpu_dense_ffi.matmul_xla(x, w, bits=cpu_dense.BF16, in_features=w.shape[1])
   return jnp.einsum("...i,oi->...o", x, as_f32(w))
 
 
