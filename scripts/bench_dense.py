@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json", None, "Write the report here.", required=True)
@@ -131,6 +131,7 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every part it writes and reads
   import jax
   from glmjax.formats.synthetic import synthetic_config
   from glmjax.model.config import Config
