@@ -36,9 +36,11 @@ from numba.extending import intrinsic
 
 from pallas_kernels import cpu
 
-__all__ = ["qmatmul", "bf16_matmul", "dense_core", "BF16"]
+__all__ = ["qmatmul", "bf16_matmul", "heads_matmul", "dense_core", "heads_core", "BF16",
+           "KEYS", "VALUES"]
 
 BF16 = 16  # the `bits` code of a bfloat16 weight in dense_core and the custom call
+KEYS, VALUES = 0, 1  # heads_core's two uses of an MLA kv_b
 _LANES = cpu.LANES
 _DECODE_ROWS = 128  # output rows per prange task at T = 1
 _ROW_BLOCK = 16  # bf16 weight rows decoded per buffer fill (T > 1)
@@ -175,6 +177,55 @@ def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
     cpu._qmatmul(xb, t, kq, pk, sc, 0, o, kb, ng, g, bits, vec_ok, th, yb)
 
 
+@njit(**cpu._JIT)
+def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out):
+  """heads_core for head hh (see there)."""
+  r0 = hh * (n_dim + v_dim)
+  if part == VALUES:  # out[t, hh, v] = W[r0 + N + v] . x[t, hh, :]: the rows' own kernel
+    xb = np.zeros(t * kq, np.float32)
+    for r in range(t):
+      for j in range(c_dim):
+        xb[r * kq + j] = x[r, hh * c_dim + j]
+    yb = np.empty(t * v_dim, np.float32)
+    cpu.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
+    for r in range(t):
+      for v in range(v_dim):
+        out[r, hh * v_dim + v] = yb[r * v_dim + v]
+  else:  # out[t, hh, :] = sum_n x[t, hh, n] * W[r0 + n, :]: decoded rows, added in n order
+    acc = np.zeros((t, c_dim), np.float32)
+    wbuf = np.empty(kq, np.float32)
+    for nn in range(n_dim):
+      row = r0 + nn
+      cpu._decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
+      for r in range(t):
+        q = x[r, hh * n_dim + nn]
+        for j in range(c_dim):
+          acc[r, j] += q * wbuf[j]
+    for r in range(t):
+      for j in range(c_dim):
+        out[r, hh * c_dim + j] = acc[r, j]
+
+
+@njit(parallel=True, **cpu._JIT)
+def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, sc, out):
+  """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized) applied per head without
+  dequantizing it whole: ``part`` KEYS: ``out[t, h*C + c] = sum_n x[t, h*N + n] W[h(N+V) + n, c]``
+  (the query absorbed into latent space); VALUES: ``out[t, h*V + v] = W[h(N+V) + N + v] .
+  x[t, h*C : (h+1)*C]`` (the latent context out to values). Parallel over heads."""
+  kp = (c_dim + g - 1) // g * g
+  kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
+  ng = kp // g
+  kb = kp // 2 if bits == 4 else kp
+  vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
+  if nthreads <= 1:
+    for hh in range(heads):
+      _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out)
+  else:
+    for hh in prange(heads):
+      _head(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc,
+            out)
+
+
 _NO_U8 = cpu._readonly(np.zeros(1, np.uint8))
 _NO_U16 = cpu._readonly(np.zeros(1, np.uint16))
 
@@ -205,6 +256,12 @@ def qmatmul(x, packed, scales, bits, group_size, in_features):
   Returns:
     float32 [T, O]; each row bitwise independent of T and of the other rows.
   """
+  _check_quantized(packed, scales, bits, group_size, in_features)
+  return _run(_as_x(x, in_features), np.shape(packed)[0], in_features, bits, group_size,
+              cpu._flat_packed(packed, "packed"), _NO_U16, cpu._flat_scales(scales, "scales"))
+
+
+def _check_quantized(packed, scales, bits, group_size, in_features):
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
   if group_size <= 0 or (bits == 4 and group_size % 2):
@@ -218,8 +275,28 @@ def qmatmul(x, packed, scales, bits, group_size, in_features):
                      f"{np.asarray(packed).dtype} {tuple(np.shape(packed))}")
   if tuple(np.shape(scales)) != (o, ng):
     raise ValueError(f"scales: expected shape {(o, ng)}, got {tuple(np.shape(scales))}")
-  return _run(_as_x(x, in_features), o, in_features, bits, group_size,
-              cpu._flat_packed(packed, "packed"), _NO_U16, cpu._flat_scales(scales, "scales"))
+
+
+def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim, part):
+  """``heads_core`` (per-head use of a quantized MLA kv_b ``[heads * (N + V), C]``, C =
+  in_features).
+
+  x: float [T, heads * N] (KEYS) or [T, heads * C] (VALUES). Returns float32 [T, heads * C]
+  (KEYS) or [T, heads * V] (VALUES); each row bitwise independent of T.
+  """
+  o = np.shape(packed)[0]
+  c_dim = in_features
+  _check_quantized(packed, scales, bits, group_size, c_dim)
+  if o % heads or o // heads <= n_dim:
+    raise ValueError(f"kv_b rows {o} are not heads ({heads}) x (N={n_dim} + V)")
+  v_dim = o // heads - n_dim
+  x = _as_x(x, heads * (n_dim if part == KEYS else c_dim))
+  out = np.empty((x.shape[0], heads * (c_dim if part == KEYS else v_dim)), np.float32)
+  nthreads = numba.get_num_threads() if o * c_dim >= cpu.PARALLEL_MIN_WEIGHTS else 1
+  heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
+             cpu._readonly(x), cpu._flat_packed(packed, "packed"),
+             cpu._flat_scales(scales, "scales"), out)
+  return out
 
 
 def bf16_matmul(x, w):

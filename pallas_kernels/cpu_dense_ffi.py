@@ -12,9 +12,12 @@ numba ``cfunc`` handler reads XLA's typed-FFI call frame (``cpu_ffi.FrameLayout`
   ``RuntimeWarning`` with the reason;
 * the handler reads no pointer before the frame's sizes, counts and buffer ranks match.
 
-Operands: meta int32 [6] = (T, O, I, bits (4, 8 or ``cpu_dense.BF16``), G, numba threads),
-x f32 [T, I], the weight (packed codes [O, Kb], or the bf16 matrix [O, I]) and the scales
-([O, Kp/G]; a [1, 1] placeholder for bf16). Result: f32 [T, O]. The thread count is read when
+Operands: meta int32 [9] = (T, O, I, bits (4, 8 or ``cpu_dense.BF16``), G, numba threads,
+mode, heads, N), x f32, the weight (packed codes [O, Kb], or the bf16 matrix [O, I]) and the
+scales ([O, Kp/G]; a [1, 1] placeholder for bf16). Mode ``MATMUL``: x [T, I], result f32
+[T, O]. Modes ``HEAD_KEYS`` / ``HEAD_VALUES`` (int4/int8, an MLA kv_b of ``heads`` × (N + V)
+rows, ``cpu_dense.heads_core``): x [T, heads·N] → [T, heads·I], or x [T, heads·I] →
+[T, heads·V]. The thread count is read when
 the call is traced (as in ``cpu_ffi``: a read inside the handler would keep numba from caching
 it).
 """
@@ -33,7 +36,9 @@ from numba import carray, cfunc, njit, types
 from pallas_kernels import cpu, cpu_dense, cpu_ffi
 
 TARGET = "glmjax_cpu_dense"
-_META = 6
+_META = 9
+# meta[6], what the call computes: x @ Wᵀ, or an MLA kv_b per head (cpu_dense.heads_core).
+MATMUL, HEAD_KEYS, HEAD_VALUES = 0, 1, 2
 _ARG_RANKS = (1, 2, 2, 2)  # meta, x, weight, scales
 _OUT_RANK = 2
 
@@ -69,10 +74,20 @@ def _handler_for(args_at, rets_at, data_at, rank_at, dims_at):
     meta = carray(data(args[0], data_at), (_META,), np.int32)
     t, o, i_dim, bits, g = (np.int64(meta[0]), np.int64(meta[1]), np.int64(meta[2]),
                             np.int64(meta[3]), np.int64(meta[4]))
-    if t != dims[0] or o != dims[1]:
+    mode, heads, n_dim = np.int64(meta[6]), np.int64(meta[7]), np.int64(meta[8])
+    if mode == MATMUL:
+      x_cols, out_cols = i_dim, o
+    elif heads <= 0 or o % heads or o // heads <= n_dim or bits == cpu_dense.BF16:
       out[:] = np.nan
       return 0
-    x = carray(data(args[1], data_at), (t, i_dim), np.float32)
+    elif mode == HEAD_KEYS:
+      x_cols, out_cols = heads * n_dim, heads * i_dim
+    else:
+      x_cols, out_cols = heads * i_dim, o - heads * n_dim
+    if t != dims[0] or out_cols != dims[1]:
+      out[:] = np.nan
+      return 0
+    x = carray(data(args[1], data_at), (t, x_cols), np.float32)
     if bits == cpu_dense.BF16:
       w16 = carray(data(args[2], data_at), (o * i_dim,), np.uint16)
       pk = carray(data(args[3], data_at), (1,), np.uint8)  # unused placeholder
@@ -82,6 +97,12 @@ def _handler_for(args_at, rets_at, data_at, rank_at, dims_at):
       pk = carray(data(args[2], data_at), (o * (kp // 2 if bits == 4 else kp),), np.uint8)
       sc = carray(data(args[3], data_at), (o * (kp // g),), np.uint16)
       w16 = sc  # unused placeholder
+    if mode != MATMUL:
+      part = cpu_dense.KEYS if mode == HEAD_KEYS else cpu_dense.VALUES
+      th = np.int64(meta[5]) if o * i_dim >= cpu.PARALLEL_MIN_WEIGHTS else np.int64(1)
+      cpu_dense.heads_core(t, heads, n_dim, o // heads - n_dim, i_dim, bits, g, part, th, ro(x),
+                           ro(pk), ro(sc), out)
+      return 0
     cpu_dense.dense_core(t, o, i_dim, bits, g, np.int64(meta[5]), cpu.PARALLEL_MIN_WEIGHTS,
                          ro(x), ro(pk), ro(w16), ro(sc), out)
     return 0
@@ -125,6 +146,13 @@ def _self_test_problems():
       scales = (rng.uniform(0.5, 1.5, (o, ng)) / 64).astype(jnp.bfloat16)
       statics = dict(bits=bits, group_size=g, in_features=i_dim)
       yield x, packed, scales, statics, cpu_dense.qmatmul(x, packed, scales, **statics)
+      hs = dict(bits=bits, group_size=g, in_features=i_dim, heads=3, n_dim=5)  # 37 - 1 rows
+      hp, hsc = packed[:36], scales[:36]
+      for part in (cpu_dense.KEYS, cpu_dense.VALUES):
+        xh = rng.standard_normal((t, 3 * (5 if part == cpu_dense.KEYS else i_dim)))
+        xh = xh.astype(np.float32)
+        yield xh, hp, hsc, dict(hs, part=part), cpu_dense.heads_matmul(xh, hp, hsc, **hs,
+                                                                       part=part)
     w = rng.standard_normal((o, i_dim)).astype(jnp.bfloat16)
     statics = dict(bits=cpu_dense.BF16, group_size=0, in_features=i_dim)
     yield x, w, None, statics, cpu_dense.bf16_matmul(x, w)
@@ -141,8 +169,9 @@ def self_test(layout: cpu_ffi.FrameLayout | None = None) -> str | None:
   try:
     target = _register(layout)
     for x, w, scales, statics, want in _self_test_problems():
+      call = _ffi_heads if "part" in statics else _ffi_matmul
       with jax.ensure_compile_time_eval():  # evaluated now even inside a jit trace
-        got = np.asarray(jax.jit(lambda a, b, c, st=statics: _ffi_matmul(target, a, b, c, **st))(
+        got = np.asarray(jax.jit(lambda a, b, c, st=statics, f=call: f(target, a, b, c, **st))(
             x, w, scales))
       if not np.array_equal(got, want):
         bad = int(np.sum(~(got == want)))
@@ -170,18 +199,52 @@ def backend() -> str:
     return _backend
 
 
-def _placeholder_scales():
-  return jnp.zeros((1, 1), jnp.uint16)
+def _meta(t, o, in_features, bits, group_size, mode=MATMUL, heads=0, n_dim=0):
+  return jnp.asarray([t, o, in_features, bits, group_size, numba.get_num_threads(), mode, heads,
+                      n_dim], jnp.int32)
 
 
 def _ffi_matmul(target, x, w, scales, *, bits, group_size, in_features):
   t, o = x.shape[0], w.shape[0]
-  meta = jnp.asarray([t, o, in_features, bits, group_size, numba.get_num_threads()], jnp.int32)
-  scales = _placeholder_scales() if scales is None else scales
+  scales = jnp.zeros((1, 1), jnp.uint16) if scales is None else scales  # bf16: a placeholder
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, o), jnp.float32),
                           vmap_method="sequential")
   # The weight goes in as stored (bf16, int8 or uint8): the handler reads raw bytes.
-  return call(meta, jnp.asarray(x, jnp.float32), w, scales)
+  return call(_meta(t, o, in_features, bits, group_size), jnp.asarray(x, jnp.float32), w, scales)
+
+
+def _heads_cols(o, in_features, heads, n_dim, part):
+  return heads * in_features if part == cpu_dense.KEYS else o - heads * n_dim
+
+
+def _ffi_heads(target, x, packed, scales, *, bits, group_size, in_features, heads, n_dim, part):
+  t, o = x.shape[0], packed.shape[0]
+  mode = HEAD_KEYS if part == cpu_dense.KEYS else HEAD_VALUES
+  call = jax.ffi.ffi_call(
+      target, jax.ShapeDtypeStruct((t, _heads_cols(o, in_features, heads, n_dim, part)),
+                                   jnp.float32), vmap_method="sequential")
+  return call(_meta(t, o, in_features, bits, group_size, mode, heads, n_dim),
+              jnp.asarray(x, jnp.float32), packed, scales)
+
+
+def heads_xla(x, packed, scales, *, bits, group_size, in_features, heads, n_dim, part):
+  """``cpu_dense.heads_matmul`` inside ``jax.jit`` (the custom call, or ``jax.pure_callback``
+  after a failed self-test): an MLA kv_b ``[heads (N + V), in_features]`` applied per head.
+  x ``[..., heads·N]`` (part KEYS) or ``[..., heads·C]`` (VALUES); returns float32
+  ``[..., heads·C]`` or ``[..., heads·V]``."""
+  lead = x.shape[:-1]
+  x2 = jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.float32)
+  st = dict(bits=bits, group_size=group_size, in_features=in_features, heads=heads,
+            n_dim=n_dim, part=part)
+  cols = _heads_cols(packed.shape[0], in_features, heads, n_dim, part)
+  if backend() == "callback":
+    y = jax.pure_callback(
+        lambda a, b, c: cpu_dense.heads_matmul(np.asarray(a), np.asarray(b), np.asarray(c), **st),
+        jax.ShapeDtypeStruct((x2.shape[0], cols), jnp.float32), x2, packed, scales,
+        vmap_method="sequential")
+  else:
+    y = _ffi_heads(_ffi_target, x2, packed, scales, **st)
+  return jnp.reshape(y, (*lead, cols))
 
 
 def _callback_matmul(x, w, scales, *, bits, group_size, in_features):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from glmjax.formats.quantize import quantize
+from glmjax.model.attention import KvB
 from glmjax.model.layers import linear
 from pallas_kernels import cpu, cpu_dense, cpu_dense_ffi
 
@@ -146,6 +147,70 @@ def test_float32_linear_keeps_xlas_dot():
   hlo = jax.jit(linear).lower(x, w).as_text()
   assert "custom_call" not in hlo
   np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), np.asarray(want))
+
+
+# An MLA kv_b [H·(N+V), C] with C = 200 (not a multiple of the group): H = 3, N = 7, V = 8.
+HEADS, N_NOPE, V_DIM = 3, 7, 8
+
+
+@pytest.fixture(scope="module")
+def kv_b():
+  rng = np.random.default_rng(11)
+  w = rng.standard_normal((HEADS * (N_NOPE + V_DIM), I_FEATURES)).astype(np.float32) / 14
+  return {8: quantize(w, 8, 64), 4: quantize(w, 4, 64)}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("t_count", [1, 3, 17])
+def test_per_head_kv_b_matches_float64_reference(kv_b, bits, t_count, parallel):
+  """The absorbed form's two per-head products of a quantized kv_b (never dequantized whole):
+  keys (query into latent space) and values (latent context out), against float64, and each
+  row independent of T."""
+  q = kv_b[bits]
+  w = dequantized(q).reshape(HEADS, N_NOPE + V_DIM, I_FEATURES)
+  rng = np.random.default_rng(t_count)
+  xk = rng.standard_normal((t_count, HEADS * N_NOPE)).astype(np.float32)
+  xv = rng.standard_normal((t_count, HEADS * I_FEATURES)).astype(np.float32)
+  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  keys = cpu_dense.heads_matmul(xk, *args, cpu_dense.KEYS)
+  values = cpu_dense.heads_matmul(xv, *args, cpu_dense.VALUES)
+  want_k = np.einsum("thn,hnc->thc", xk.reshape(t_count, HEADS, N_NOPE).astype(np.float64),
+                     w[:, :N_NOPE])
+  want_v = np.einsum("thc,hvc->thv", xv.reshape(t_count, HEADS, I_FEATURES).astype(np.float64),
+                     w[:, N_NOPE:])
+  np.testing.assert_allclose(keys.reshape(want_k.shape), want_k, rtol=0,
+                             atol=2e-5 * np.abs(want_k).max())
+  np.testing.assert_allclose(values.reshape(want_v.shape), want_v, rtol=0,
+                             atol=2e-5 * np.abs(want_v).max())
+  last = t_count - 1
+  np.testing.assert_array_equal(
+      cpu_dense.heads_matmul(xk[last:], *args, cpu_dense.KEYS)[0], keys[last])
+  np.testing.assert_array_equal(
+      cpu_dense.heads_matmul(xv[last:], *args, cpu_dense.VALUES)[0], values[last])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, bits):
+  """`attention.KvB` with a QArray on the CPU platform: the jitted absorbed products are the
+  custom call's, bit for bit the direct kernel's, and agree with the float32 split kv_b."""
+  q = kv_b[bits]
+  qj = jax.tree.map(jnp.asarray, q)
+  kvb = KvB(qj, HEADS, N_NOPE)
+  rng = np.random.default_rng(2)
+  q_nope = rng.standard_normal((2, 3, HEADS, N_NOPE)).astype(np.float32)
+  ctx = rng.standard_normal((2, 3, HEADS, I_FEATURES)).astype(np.float32)
+  got_k = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_query(x))(qj, q_nope))
+  got_v = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_output(x))(qj, ctx))
+  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  np.testing.assert_array_equal(
+      got_k.reshape(6, -1), cpu_dense.heads_matmul(q_nope.reshape(6, -1), *args, cpu_dense.KEYS))
+  np.testing.assert_array_equal(
+      got_v.reshape(6, -1), cpu_dense.heads_matmul(ctx.reshape(6, -1), *args, cpu_dense.VALUES))
+  w_uk, w_uv = (np.asarray(a) for a in kvb.split())
+  np.testing.assert_allclose(got_k, np.einsum("bshn,hnc->bshc", q_nope, w_uk), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(got_v, np.einsum("bshc,hvc->bshv", ctx, w_uv), rtol=1e-5,
+                             atol=1e-5)
 
 
 def test_bad_operands_are_refused(weights):

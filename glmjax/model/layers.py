@@ -63,6 +63,28 @@ def linear(x, w):
   return jnp.einsum("...i,oi->...o", x, as_f32(w))
 
 
+def per_head_kernel(w) -> bool:
+  """Whether an MLA kv_b `w` is applied per head by the numba kernel (`per_head`): a QArray on
+  the CPU platform."""
+  return host_kernels() and isinstance(w, QArray) and w.packed.ndim == 2
+
+
+def per_head(x, w, heads: int, n_dim: int, keys: bool):
+  """A quantized MLA kv_b `w` `[heads·(N+V), C]` applied per head without dequantizing it whole
+  (`pallas_kernels.cpu_dense.heads_core`; CPU platform only, see `per_head_kernel`).
+
+  keys: `x [..., heads, N]` -> `[..., heads, C]`, x times each head's N key rows (the query
+  absorbed into latent space). Else: `x [..., heads, C]` -> `[..., heads, V]`, each head's V
+  value rows times x (the latent context out to values).
+  """
+  from pallas_kernels import cpu_dense, cpu_dense_ffi
+  y = cpu_dense_ffi.heads_xla(
+      x.reshape(*x.shape[:-2], -1), w.packed, w.scales, bits=w.bits, group_size=w.group_size,
+      in_features=w.in_features, heads=heads, n_dim=n_dim,
+      part=cpu_dense.KEYS if keys else cpu_dense.VALUES)
+  return y.reshape(*x.shape[:-1], -1)
+
+
 def embed_rows(table, tokens):
   """Rows `tokens` of the embedding `table` `[V, D]` as float32 `[*tokens.shape, D]`; a QArray
   table is gathered first (packed rows and their scales), then only those rows dequantized."""
