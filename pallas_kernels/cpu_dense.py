@@ -21,6 +21,11 @@ buffer and apply it to tiles of 4 tokens (reduction in blocks of 1024 features, 
 tile stays in L1), as ``cpu._grouped_rows`` does. Matrices under
 ``cpu.PARALLEL_MIN_WEIGHTS`` weights run on the calling thread.
 
+``heads_core`` applies a quantized MLA kv_b ``[H (N + V), C]`` per head (attention's absorbed
+form) without dequantizing it whole: the value rows of head h times that head's latent context
+(``cpu.qmatmul_serial`` at the head's rows), and the query's N entries times the head's key rows
+(rows decoded one by one and accumulated in row order); parallel over heads.
+
 One compiled specialization per kernel: ``dense_core`` takes read-only C-contiguous inputs
 (x float32 [T, I], flat uint8 codes or uint16 bf16 bits, flat uint16 scales) from the Python
 entry points and from the custom call's handler (``cpu_dense_ffi``) alike.
