@@ -671,6 +671,25 @@ def _grouped_rows(xb, n, kq, pk, sc, row0, blk, nblk, step, kb, ng, g, bits, vec
     blk += step
 
 
+@njit(**_JIT)
+def _few_tokens_ok(n, g, bits):
+  """Whether n tokens take the few-token path (rows decoded in registers, 4-token tiles)."""
+  return n <= _FEW_TOKENS and (g % (4 * LANES) == 0 if bits == 4 else g % (2 * LANES) == 0)
+
+
+@njit(**_JIT)
+def qmatmul_serial(xb, n, kq, pk, sc, row0, o, kb, ng, g, bits, vec_ok, yb):
+  """``_qmatmul`` on the calling thread (no parallel region): the same results. For callers
+  that parallelize over something else (the dense kernels' heads)."""
+  if vec_ok and n == 1:
+    _fused_rows(xb, pk, sc, row0, 0, o, kb, ng, g, bits, yb)
+  elif _few_tokens_ok(n, g, bits):
+    _fused_tiles(xb, n, kq, pk, sc, row0, 0, o, kb, ng, g, bits, yb, o)
+  else:
+    nblk = (o + _ROW_BLOCK - 1) // _ROW_BLOCK
+    _grouped_rows(xb, n, kq, pk, sc, row0, 0, nblk, 1, kb, ng, g, bits, vec_ok, yb, o)
+
+
 @njit(parallel=True, **_JIT)
 def _qmatmul(xb, n, kq, pk, sc, row0, o, kb, ng, g, bits, vec_ok, nthreads, yb):
   """yb[t, r] = W[row0 + r] . xb[t] for r < o, t < n (xb, yb flat, row strides kq, o).
@@ -678,27 +697,21 @@ def _qmatmul(xb, n, kq, pk, sc, row0, o, kb, ng, g, bits, vec_ok, nthreads, yb):
   nthreads <= 1 runs on the calling thread (no parallel region). Rows are independent, so the
   split never changes a result.
   """
-  nblk = (o + _ROW_BLOCK - 1) // _ROW_BLOCK
-  if vec_ok and n == 1:
-    if nthreads <= 1:
-      _fused_rows(xb, pk, sc, row0, 0, o, kb, ng, g, bits, yb)
-    else:
-      nchunk = (o + _DECODE_ROWS - 1) // _DECODE_ROWS
-      for c in prange(nchunk):
-        r_lo = np.int64(c) * _DECODE_ROWS
-        _fused_rows(xb, pk, sc, row0, r_lo, min(o, r_lo + _DECODE_ROWS), kb, ng, g, bits, yb)
-  elif n <= _FEW_TOKENS and (g % (4 * LANES) == 0 if bits == 4 else g % (2 * LANES) == 0):
-    if nthreads <= 1:
-      _fused_tiles(xb, n, kq, pk, sc, row0, 0, o, kb, ng, g, bits, yb, o)
-    else:
-      nchunk = (o + _FEW_ROWS - 1) // _FEW_ROWS
-      for c in prange(nchunk):
-        r_lo = np.int64(c) * _FEW_ROWS
-        _fused_tiles(xb, n, kq, pk, sc, row0, r_lo, min(o, r_lo + _FEW_ROWS), kb, ng, g, bits,
-                     yb, o)
-  elif nthreads <= 1:
-    _grouped_rows(xb, n, kq, pk, sc, row0, 0, nblk, 1, kb, ng, g, bits, vec_ok, yb, o)
+  if nthreads <= 1:
+    qmatmul_serial(xb, n, kq, pk, sc, row0, o, kb, ng, g, bits, vec_ok, yb)
+  elif vec_ok and n == 1:
+    nchunk = (o + _DECODE_ROWS - 1) // _DECODE_ROWS
+    for c in prange(nchunk):
+      r_lo = np.int64(c) * _DECODE_ROWS
+      _fused_rows(xb, pk, sc, row0, r_lo, min(o, r_lo + _DECODE_ROWS), kb, ng, g, bits, yb)
+  elif _few_tokens_ok(n, g, bits):
+    nchunk = (o + _FEW_ROWS - 1) // _FEW_ROWS
+    for c in prange(nchunk):
+      r_lo = np.int64(c) * _FEW_ROWS
+      _fused_tiles(xb, n, kq, pk, sc, row0, r_lo, min(o, r_lo + _FEW_ROWS), kb, ng, g, bits,
+                   yb, o)
   else:
+    nblk = (o + _ROW_BLOCK - 1) // _ROW_BLOCK
     nth = min(nthreads, nblk)
     for p in prange(nth):
       _grouped_rows(xb, n, kq, pk, sc, row0, np.int64(p), nblk, nth, kb, ng, g, bits, vec_ok,

@@ -170,20 +170,30 @@ def _data(buffer_addr, data_at):
   return _address(_words(buffer_addr, 6)[data_at])
 
 
+@njit(cache=True)
+def answered_metadata(ext_addr):
+  """Whether the call frame's extension `ext_addr` (0: none) is XLA's request for the
+  handler's metadata, answered here with the API version the handler declares."""
+  if ext_addr == 0:
+    return False
+  ext = _words(ext_addr, 4)  # {size, type (+pad), next*, metadata*}
+  if (ext[1] & 0xFFFFFFFF) != _EXT_METADATA:
+    return False
+  md = carray(_address(ext[3]), (10,), np.int32)  # {size; api_version{size, ext*, major,
+  md[6] = _API_MAJOR                               #  minor}; traits}
+  md[7] = _API_MINOR
+  md[8] = 0
+  return True
+
+
 def _handler_for(args_at, rets_at, data_at, rank_at, dims_at):
   """The handler's Python body for one frame layout (numba caches one build per layout)."""
 
   def handler(frame):
     """XLA_FFI_Error* handler(XLA_FFI_CallFrame*): returns 0 (no error)."""
     cf = carray(frame, (rets_at + 5,), np.int64)
-    if cf[1] != 0:  # an extension: XLA asks for the handler's metadata (its API version)
-      ext = _words(cf[1], 4)  # {size, type (+pad), next*, metadata*}
-      if (ext[1] & 0xFFFFFFFF) == _EXT_METADATA:
-        md = carray(_address(ext[3]), (10,), np.int32)  # {size; api_version{size, ext*, major,
-        md[6] = _API_MAJOR                               #  minor}; traits}
-        md[7] = _API_MINOR
-        md[8] = 0
-        return 0
+    if answered_metadata(cf[1]):
+      return 0
     if (cf[0] < (rets_at + 5) * 8 or not _list_ok(cf, rets_at, 1)
         or not _buffer_ok(_words(cf[rets_at + 4], 1)[0], _OUT_RANK, data_at, rank_at)):
       return 0  # no result to be found: the self-test sees whatever the buffer held

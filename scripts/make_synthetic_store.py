@@ -1,7 +1,7 @@
 """Writes an expert store of random weights (no source checkpoint) for benchmarks and tests.
 
   python scripts/make_synthetic_store.py --geometry=glm5 --moe_layers=2 --experts=32 \\
-      --vocab_size=4096 --dst=/tmp/glm5_synth
+      --vocab_size=4096 --dst=/tmp/glm5_synth [--dense_bits=8]
 
 GLM-5's dims (hidden 6144, experts 6144×2048 as int4 G=64 chunks of 20.05 MB, int8 MTP experts)
 after one dense layer, or a tiny geometry for tests; the same --seed gives the same bytes.
@@ -33,6 +33,9 @@ flags.DEFINE_float("zipf", 0.0, "Zipf exponent of expert popularity, set through
                    "picked about 1/r as often as the first).")
 flags.DEFINE_bool("mtp", True, "Include GLM-5's MTP layer (its experts int8, group 'mtp').")
 flags.DEFINE_integer("workers", 2, "Threads generating and writing expert chunks.")
+flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
+                  "Dense weights: 0 bf16; 8 or 4 the quantized dense format `convert.py "
+                  "--dense_bits` writes (group 64).")
 
 
 def main(argv):
@@ -46,12 +49,12 @@ def main(argv):
     m = make_synthetic_store(FLAGS.dst, geometry=FLAGS.geometry, moe_layers=FLAGS.moe_layers,
                              experts=FLAGS.experts, vocab_size=FLAGS.vocab_size,
                              seed=FLAGS.seed, zipf=FLAGS.zipf, mtp=FLAGS.mtp,
-                             workers=FLAGS.workers)
+                             workers=FLAGS.workers, dense_bits=int(FLAGS.dense_bits))
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   dt = time.perf_counter() - t0
-  dense, experts, _ = store_bytes(m["source_config"])
+  dense, experts, _ = store_bytes(m["source_config"], m["quant"].get("dense_bits", 0))
   gb = (dense + experts) / 1e9
   what = (f"{len(m['moe_layers'])} MoE layers × {m['source_config']['n_routed_experts']} "
           f"experts, {gb:.2f} GB")

@@ -54,7 +54,8 @@ import numpy as np
 from glmjax.errors import CheckpointError, InputError
 from glmjax.formats import embedded, store
 from glmjax.model.config import Config
-from glmjax.model.weights import MoE, abstract
+from glmjax.formats.quantize import quantize
+from glmjax.model.weights import DENSE_BITS, MoE, abstract
 
 GROUP_SIZE = 64
 EXPERT_BITS, MTP_BITS = 4, 8
@@ -360,14 +361,21 @@ def _free_bytes(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
-def store_bytes(raw_config: dict) -> tuple[int, int, dict]:
+def _dense_tree(cfg: Config, mtp: bool, dense_bits: int):
+  """The declared dense tree a synthetic store writes: bf16 (float32 where declared so), the
+  quantizable leaves as QArrays under `dense_bits` (the converter's rule, `dense_format`)."""
+  return abstract(cfg, jnp.bfloat16, with_mtp=mtp, dense_bits=dense_bits,
+                  dense_group_size=GROUP_SIZE)
+
+
+def store_bytes(raw_config: dict, dense_bits: int = 0) -> tuple[int, int, dict]:
   """(dense bytes, expert bytes, {group: (layers, layout)}) of a synthetic store's config."""
   cfg = Config.from_dict(raw_config)
-  tree = abstract(cfg, jnp.bfloat16, with_mtp=True)
+  tree = _dense_tree(cfg, True, dense_bits)
   dense = 0
   for part in store.dense_parts(tree).values():
     for info in store.flat_leaves(part).values():
-      dense += int(np.prod(info.shape)) * np.dtype(info.dtype).itemsize
+      dense += info.nbytes
   groups = {"main": ([i for i, l in enumerate(tree.layers) if isinstance(l.mlp, MoE)],
                      EXPERT_BITS)}
   if tree.mtp:
@@ -383,7 +391,7 @@ def store_bytes(raw_config: dict) -> tuple[int, int, dict]:
 def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
                          experts: int | None = None, vocab_size: int | None = None,
                          seed: int = 0, zipf: float = 0.0, mtp: bool = True, workers: int = 2,
-                         progress: bool = True) -> dict:
+                         progress: bool = True, dense_bits: int = 0) -> dict:
   """Writes a store of random weights at `dst`; returns its manifest.
 
   Args:
@@ -398,6 +406,9 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     zipf: Zipf exponent of expert popularity (0: no skew); see the module docstring.
     mtp: include GLM-5's MTP layer (its experts in int8, group "mtp").
     workers: threads generating and writing expert chunks.
+    dense_bits: 0 (bf16 dense weights), 8 or 4: the quantized dense format of
+      `convert --dense_bits` (group 64), each quantizable leaf drawn in bf16 as for 0 and then
+      quantized by the converter's quantizer.
   """
   import orbax.checkpoint as ocp
   import tensorstore as ts
@@ -407,12 +418,18 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     raise InputError(f"seed must be an integer ≥ 0, got {seed!r}")
   if not (isinstance(zipf, (int, float)) and math.isfinite(zipf) and 0 <= zipf <= 16):
     raise InputError(f"zipf must be a number in [0, 16] (0 = no skew), got {zipf!r}")
+  if dense_bits not in DENSE_BITS:
+    raise InputError(f"dense_bits must be one of {DENSE_BITS} (0: bf16), got {dense_bits!r}")
   raw = synthetic_config(geometry, moe_layers, experts, vocab_size, mtp)
   cfg = Config.from_dict(raw)
   settings = {"geometry": geometry, "moe_layers": moe_layers,
               "experts": cfg.n_routed_experts, "vocab_size": cfg.vocab_size, "seed": seed,
               "zipf": float(zipf), "mtp": bool(mtp)}
-  dense_bytes, expert_bytes, groups = store_bytes(raw)
+  dense_quant = {}
+  if dense_bits:  # absent for bf16, so stores written before the option still match
+    settings["dense_bits"] = dense_bits
+    dense_quant = {"dense_bits": dense_bits, "dense_group_size": GROUP_SIZE}
+  dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits)
   need = dense_bytes + expert_bytes
   done = _prepare(dst, settings, need)
   if done is not None:
@@ -428,7 +445,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     with lock:
       bar.update(n)
 
-  tree = abstract(cfg, jnp.bfloat16, with_mtp=mtp)
+  tree = _dense_tree(cfg, mtp, dense_bits)
   rank_bias = (zipf_bias(cfg.n_routed_experts, cfg.num_experts_per_tok, zipf,
                          _rng(seed, _ZIPF)) if zipf else None)
   # Dense parts go through orbax (compression, ~250 MB/s) in their own thread while the pool
@@ -478,7 +495,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
   manifest = store.write_manifest(
       dst, quant={"expert_bits": EXPERT_BITS, "mtp_bits": MTP_BITS, "group_size": GROUP_SIZE,
                   "scheme": "synthetic: random triangular codes, random bf16 group scales",
-                  "dense_dtype": "bfloat16"},
+                  "dense_dtype": "bfloat16", **dense_quant},
       source={"path": None, "fp8_block_size": None}, source_config=raw,
       moe_layers=groups["main"][0], mtp_layers=groups["mtp"][0] if mtp else [],
       mtp_has_head=False,  # the MTP block reuses lm_head, as GLM-5's does
@@ -494,8 +511,11 @@ def _write_dense(dst, tree, seed, rank_bias, ocp, advance) -> dict:
   sums = {}
   for pi, (pname, part) in enumerate(store.dense_parts(tree).items()):
     infos = store.flat_leaves(part)
-    arrays = {k: _dense_array(i, _rng(seed, _DENSE, pi, li), rank_bias)
-              for li, (k, i) in enumerate(infos.items())}
+    arrays = {}
+    for li, (k, i) in enumerate(infos.items()):
+      a = _dense_array(i, _rng(seed, _DENSE, pi, li), rank_bias)
+      arrays.update(store.stored_arrays(k, i, quantize(a, i.bits, i.group_size) if i.quantized
+                                        else a))
     sums[pname] = {k: store.crc(a) for k, a in arrays.items()}
     ckptr.wait_until_finished()
     ckptr.save(os.path.abspath(os.path.join(dst, "dense", pname)), arrays)

@@ -30,8 +30,8 @@ from glmjax.errors import InputError
 from glmjax.model import kvcache
 from glmjax.model.config import Config
 from glmjax.model.kvcache import LayerCache
-from glmjax.model.layers import (F32, LATENT_NORM_EPS, as_f32, layer_norm, linear, rms_norm,
-                                  rope_angles, rope_interleaved)
+from glmjax.model.layers import (F32, LATENT_NORM_EPS, as_f32, layer_norm, linear, per_head,
+                                 per_head_kernel, rms_norm, rope_angles, rope_interleaved)
 from glmjax.model.weights import Attention, Indexer
 
 IMPLS = ("sparse", "dense")
@@ -45,6 +45,36 @@ MAX_INDEX_BLOCK = 16384  # key slots per indexer block at most
 DENSE_MAX_SLOTS = 4096
 BLOCKED_ELEMS = 1 << 25
 FRESH_PAGE = 2048  # a cache-less forward's keys are seen as pages of this many positions
+
+
+@dataclasses.dataclass(frozen=True)
+class KvB:
+  """kv_b `[H·(N+V), C]` in its two roles: key rows w_uk `[H, N, C]` and value rows w_uv
+  `[H, V, C]`. A float kv_b (or a QArray off the CPU) is made float32 and split, as always. A
+  QArray on the CPU platform is applied per head by the numba kernel in the absorbed form
+  (`layers.per_head`), never dequantized whole (58 MB of float32 per layer and call at
+  GLM-5); the expanded form still splits the float32 matrix."""
+  w: Any
+  heads: int
+  n: int  # N, the per-head no-rope key width
+
+  def split(self):
+    """(w_uk `[H, N, C]`, w_uv `[H, V, C]`) in float32."""
+    kv = as_f32(self.w)
+    kv = kv.reshape(self.heads, -1, kv.shape[-1])
+    return kv[:, :self.n], kv[:, self.n:]
+
+  def absorb_query(self, q_nope):
+    """`[B, S, H, N]` -> `[B, S, H, C]` (the query in latent space)."""
+    if per_head_kernel(self.w):
+      return per_head(q_nope, self.w, self.heads, self.n, keys=True)
+    return jnp.einsum("bshn,hnc->bshc", q_nope, self.split()[0])
+
+  def absorb_output(self, ctx):
+    """`[B, S, H, C]` latent context -> `[B, S, H, V]` values."""
+    if per_head_kernel(self.w):
+      return per_head(ctx, self.w, self.heads, self.n, keys=False)
+    return jnp.einsum("bshc,hvc->bshv", ctx, self.split()[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +229,7 @@ def _in_query_blocks(fn, block: int, *arrays):
   return jax.tree_util.tree_map(join, out)
 
 
-def sparse_attend(view: KeyView, q_nope, q_rope, q_slots, w_uk, w_uv, cfg: Config,
+def sparse_attend(view: KeyView, q_nope, q_rope, q_slots, kv_b: KvB, cfg: Config,
                   selection=None, index_q=None):
   """DSA attention over a view with more key slots than K: each query's top-K keys (from
   `index_q` = (queries, head weights) of this layer's indexer, or the given `selection`),
@@ -207,7 +237,7 @@ def sparse_attend(view: KeyView, q_nope, q_rope, q_slots, w_uk, w_uv, cfg: Confi
   query `[Sq, H, C]` and context of a block exist only while it runs (at a 2048-token chunk
   of GLM-5 the whole chunk's would take 0.5 GB). Returns (`[B, S, H, V]`, selection)."""
   b, s, h, _ = q_nope.shape
-  k, c = cfg.index_topk, w_uk.shape[-1]
+  k, c = cfg.index_topk, cfg.kv_lora_rank
   q_slots = jnp.broadcast_to(q_slots, (b, s))
   block = int(max(1, min(s, _pow2_floor(GATHER_ELEMS // (b * k * (c + q_rope.shape[-1]))))))
 
@@ -217,9 +247,9 @@ def sparse_attend(view: KeyView, q_nope, q_rope, q_slots, w_uk, w_uv, cfg: Confi
       sel = select_blocked(view, q, w, q_slots, k, index_block_pages(view, q.shape))
     else:
       (sel,) = rest
-    q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, Sq, H, C]
+    q_abs = kv_b.absorb_query(q_nope)  # [B, Sq, H, C]
     ctx = _attend_selected(view, q_abs, q_rope, sel, cfg.attn_scale)
-    return jnp.einsum("bshc,hvc->bshv", ctx, w_uv), sel
+    return kv_b.absorb_output(ctx), sel
 
   rest = index_q if selection is None else (selection,)
   return _in_query_blocks(one, block, q_nope, q_rope, q_slots, *rest)
@@ -257,28 +287,28 @@ def blocked_attend(view: KeyView, q_abs, q_rope, q_slots, scale: float):
   return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
-def dense_scores(view: KeyView, q_nope, q_rope, w_uk, scale: float, absorbed: bool):
+def dense_scores(view: KeyView, q_nope, q_rope, kv_b: KvB, scale: float, absorbed: bool):
   """Scaled scores `[B, H, S, T]` of the queries against every key slot of the view, and the
   latent keys `[B, T, C]`: expanded (kv_b rebuilds per-head keys) or absorbed."""
   latent, k_rope = view.dense("latent"), view.dense("k_rope")  # [B, T, C], [B, T, R]
   rope_score = jnp.einsum("bshr,btr->bhst", q_rope, k_rope)
   if absorbed:
-    q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, S, H, C]
+    q_abs = kv_b.absorb_query(q_nope)  # [B, S, H, C]
     score = jnp.einsum("bshc,btc->bhst", q_abs, latent) + rope_score
   else:
-    k_nope = jnp.einsum("btc,hnc->bthn", latent, w_uk)  # [B, T, H, N]
+    k_nope = jnp.einsum("btc,hnc->bthn", latent, kv_b.split()[0])  # [B, T, H, N]
     score = jnp.einsum("bshn,bthn->bhst", q_nope, k_nope) + rope_score
   return score * scale, latent
 
 
-def dense_output(score, mask, latent, w_uv, absorbed: bool):
+def dense_output(score, mask, latent, kv_b: KvB, absorbed: bool):
   """Attention of `dense_scores`' `score` over the key slots in `mask` `[B|1, S, T]`:
   `[B, S, H, V]`."""
   p = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)  # [B, H, S, T]
   if absorbed:
     ctx = jnp.einsum("bhst,btc->bshc", p, latent)  # [B, S, H, C]
-    return jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
-  vals = jnp.einsum("btc,hvc->bthv", latent, w_uv)  # [B, T, H, V]
+    return kv_b.absorb_output(ctx)
+  vals = jnp.einsum("btc,hvc->bthv", latent, kv_b.split()[1])  # [B, T, H, V]
   return jnp.einsum("bhst,bthv->bshv", p, vals)
 
 
@@ -371,8 +401,7 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     view = KeyView(cache.latent, cache.k_rope, cache.index_k, pages)
     q_slots = positions if positions.ndim == 2 else positions[None]  # [B|1, S]
 
-  kv_b = as_f32(w.kv_b).reshape(h, n + cfg.v_head_dim, c)
-  w_uk, w_uv = kv_b[:, :n], kv_b[:, n:]  # [H, N, C], [H, V, C]
+  kv_b = KvB(w.kv_b, h, n)
   dsa = w.indexer is not None or selection is not None
   sparse = dsa and impl == "sparse" and view.slots > cfg.index_topk
   with jax.named_scope("attend"):
@@ -382,12 +411,12 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
         with jax.named_scope("indexer"):
           index_q = indexer_queries(w.indexer, x, q_lat, cfg, cos, sin)
         selection = None
-      out, selection = sparse_attend(view, q_nope, q_rope, q_slots, w_uk, w_uv, cfg, selection,
+      out, selection = sparse_attend(view, q_nope, q_rope, q_slots, kv_b, cfg, selection,
                                      index_q)
     elif not dsa and view.slots > DENSE_MAX_SLOTS:
-      q_abs = jnp.einsum("bshn,hnc->bshc", q_nope, w_uk)  # [B, S, H, C]
+      q_abs = kv_b.absorb_query(q_nope)  # [B, S, H, C]
       ctx = blocked_attend(view, q_abs, q_rope, q_slots, cfg.attn_scale)
-      out = jnp.einsum("bshc,hvc->bshv", ctx, w_uv)
+      out = kv_b.absorb_output(ctx)
     else:
       slots = jnp.arange(view.slots, dtype=jnp.int32)
       visible = slots[None, None, :] <= q_slots[:, :, None]  # [B|1, S, T]
@@ -402,8 +431,8 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
       if w.indexer is not None and not select:
         selection = None  # a query that sees no more than K keys keeps them all
       mask = visible if selection is None else visible & selection_mask(selection, view.slots)
-      score, latent = dense_scores(view, q_nope, q_rope, w_uk, cfg.attn_scale, absorbed)
+      score, latent = dense_scores(view, q_nope, q_rope, kv_b, cfg.attn_scale, absorbed)
       if taps is not None and w.indexer is not None:
         taps.index.append((head_mean_probs(score, visible), index_score))
-      out = dense_output(score, mask, latent, w_uv, absorbed)
+      out = dense_output(score, mask, latent, kv_b, absorbed)
   return linear(out.reshape(b, s, h * cfg.v_head_dim), w.o), cache, selection

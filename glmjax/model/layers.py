@@ -38,9 +38,51 @@ def as_f32(w):
   return dequantize(w, F32) if isinstance(w, QArray) else w.astype(F32)
 
 
+def host_kernels() -> bool:
+  """Whether this process computes on the CPU platform, where the numba kernels
+  (`pallas_kernels.cpu*`) replace XLA for quantized and bfloat16 weights."""
+  return jax.default_backend() == "cpu"
+
+
 def linear(x, w):
-  """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray)."""
+  """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray).
+
+  float32 weights: XLA's dot. On the CPU platform, a QArray or bfloat16 matrix goes to the
+  numba dense kernel (custom call; the weight is read as stored, accumulated in float32, each
+  output row bitwise independent of the token count). On accelerators: XLA dequantizes, then
+  dots in float32.
+  """
+  if host_kernels() and (isinstance(w, QArray) and w.packed.ndim == 2
+                         or not isinstance(w, QArray) and w.ndim == 2 and w.dtype == jnp.bfloat16):
+    # Imported on first use: models without such weights never load the custom call.
+    from pallas_kernels import cpu_dense, cpu_dense_ffi
+    if isinstance(w, QArray):
+      return cpu_dense_ffi.matmul_xla(x, w.packed, w.scales, bits=w.bits,
+                                      group_size=w.group_size, in_features=w.in_features)
+    return cpu_dense_ffi.matmul_xla(x, w, bits=cpu_dense.BF16, in_features=w.shape[1])
   return jnp.einsum("...i,oi->...o", x, as_f32(w))
+
+
+def per_head_kernel(w) -> bool:
+  """Whether an MLA kv_b `w` is applied per head by the numba kernel (`per_head`): a QArray on
+  the CPU platform."""
+  return host_kernels() and isinstance(w, QArray) and w.packed.ndim == 2
+
+
+def per_head(x, w, heads: int, n_dim: int, keys: bool):
+  """A quantized MLA kv_b `w` `[heads·(N+V), C]` applied per head without dequantizing it whole
+  (`pallas_kernels.cpu_dense.heads_core`; CPU platform only, see `per_head_kernel`).
+
+  keys: `x [..., heads, N]` -> `[..., heads, C]`, x times each head's N key rows (the query
+  absorbed into latent space). Else: `x [..., heads, C]` -> `[..., heads, V]`, each head's V
+  value rows times x (the latent context out to values).
+  """
+  from pallas_kernels import cpu_dense, cpu_dense_ffi
+  y = cpu_dense_ffi.heads_xla(
+      x.reshape(*x.shape[:-2], -1), w.packed, w.scales, bits=w.bits, group_size=w.group_size,
+      in_features=w.in_features, heads=heads, n_dim=n_dim,
+      part=cpu_dense.KEYS if keys else cpu_dense.VALUES)
+  return y.reshape(*x.shape[:-1], -1)
 
 
 def embed_rows(table, tokens):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.model.config import Config
-from glmjax.model.layers import F32, linear, swiglu
+from glmjax.model.layers import F32, host_kernels, linear, swiglu
 from glmjax.model.quant import ExpertPool
 from glmjax.model.weights import Experts
 from pallas_kernels.ops import grouped_terms
@@ -169,7 +169,7 @@ KERNELS = ("auto", "cpu", "xla", "pallas")
 def resolve_kernel(kernel: str) -> str:
   """"auto": the numba CPU kernel on a CPU-only machine, the Pallas kernel on an accelerator."""
   if kernel == "auto":
-    return "cpu" if jax.default_backend() == "cpu" else "pallas"
+    return "cpu" if host_kernels() else "pallas"
   return kernel
 
 

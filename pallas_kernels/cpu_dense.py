@@ -1,0 +1,316 @@
+"""Deterministic numba CPU kernels for dense matmuls ``y[T, O] = x[T, I] @ Wᵀ``.
+
+Standalone (nothing from ``glmjax``). ``W [O, I]`` is either
+
+* group-wise int4/int8 (the expert layout of ``pallas_kernels.cpu``: packed codes
+  ``[O, Kp/2]`` uint8 or ``[O, Kp]`` int8, bf16 scales ``[O, Kp/G]``); the arithmetic is
+  ``cpu._qmatmul``'s, the expert kernels' own row kernels (one decoder, not two), or
+* bfloat16 (its bits as uint16 ``[O, I]``), upcast in registers (a shift: exact).
+
+Arithmetic (both formats, every T, every thread count): as in ``pallas_kernels.cpu``. The
+input row is zero-padded to ``Kq`` (the padded width rounded up to 32), each output element
+is the sum of 16-feature chunks, chunk ``c`` fused-multiply-added into accumulator
+``A[c % 2]`` in increasing order, then ``hsum(A0 + A1)``. So an output row depends only on
+its own input row and ``W``: bitwise the same for T = 1 (decode), T <= 8 (verify) and a
+prefill chunk, and the same as the expert kernels for a quantized ``W``.
+
+Loop order and threading. Work is split over output rows only (numba ``prange``, numba's
+thread pool, the one the expert kernels use). Decode (T = 1) streams each weight row once and
+dots it in registers; more tokens decode a block of 16 weight rows once into a float32
+buffer and apply it to tiles of 4 tokens (reduction in blocks of 1024 features, so a token
+tile stays in L1), as ``cpu._grouped_rows`` does. Matrices under
+``cpu.PARALLEL_MIN_WEIGHTS`` weights run on the calling thread.
+
+``heads_core`` applies a quantized MLA kv_b ``[H (N + V), C]`` per head (attention's absorbed
+form) without dequantizing it whole: the value rows of head h times that head's latent context
+(``cpu.qmatmul_serial`` at the head's rows), and the query's N entries times the head's key rows
+(rows decoded one by one and accumulated in row order); parallel over heads.
+
+One compiled specialization per kernel: ``dense_core`` takes read-only C-contiguous inputs
+(x float32 [T, I], flat uint8 codes or uint16 bf16 bits, flat uint16 scales) from the Python
+entry points and from the custom call's handler (``cpu_dense_ffi``) alike.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.extending import intrinsic
+
+from pallas_kernels import cpu
+
+__all__ = ["qmatmul", "bf16_matmul", "heads_matmul", "dense_core", "heads_core", "BF16",
+           "KEYS", "VALUES"]
+
+BF16 = 16  # the `bits` code of a bfloat16 weight in dense_core and the custom call
+KEYS, VALUES = 0, 1  # heads_core's two uses of an MLA kv_b
+_LANES = cpu.LANES
+_DECODE_ROWS = 128  # output rows per prange task at T = 1
+_ROW_BLOCK = 16  # bf16 weight rows decoded per buffer fill (T > 1)
+_K_BLOCK = 1024  # reduction features per pass (T > 1); a multiple of 2 * LANES
+_I16V = ir.VectorType(ir.IntType(16), _LANES)
+_I32V = ir.VectorType(ir.IntType(32), _LANES)
+
+
+@intrinsic
+def _vbf16(typingctx, arr, idx):
+  """16 bf16 (uint16 bits, flat element `idx`) as float32 lanes, exactly (bits << 16)."""
+  if not cpu._c_array(arr, numba.types.uint16):
+    return None
+
+  def cg(context, builder, sig, args):
+    p = cpu._elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I16V)
+    b = builder.zext(builder.load(p, align=2), _I32V)
+    return builder.bitcast(builder.shl(b, ir.Constant(_I32V, [16] * _LANES)), cpu._VT)
+
+  return cpu._f32x16(arr, idx), cg
+
+
+@njit(**cpu._JIT)
+def _bf16_row(xb, w, wo, kq):
+  """W[row] . xb[:kq] with the bf16 row (kq features, no padding) upcast in registers."""
+  a0 = cpu._vzero()
+  a1 = cpu._vzero()
+  for j in range(0, kq, 2 * _LANES):
+    a0 = cpu._vfma(_vbf16(w, wo + j), cpu._vld(xb, j), a0)
+    a1 = cpu._vfma(_vbf16(w, wo + j + _LANES), cpu._vld(xb, j + _LANES), a1)
+  return cpu._vhsum(cpu._vadd(a0, a1))
+
+
+@njit(**cpu._JIT)
+def _bf16_decode_rows(w, i_dim, r_lo, nr, kq, wbuf):
+  """wbuf[r * kq :] = bf16 row r_lo + r as float32, zero beyond i_dim (r < nr)."""
+  for r in range(nr):
+    wo = (r_lo + r) * i_dim
+    bo = r * kq
+    j = 0
+    while j + _LANES <= i_dim:
+      cpu._vst(wbuf, bo + j, _vbf16(w, wo + j))
+      j += _LANES
+    for jj in range(j, i_dim):
+      wbuf[bo + jj] = cpu._bf16(w[wo + jj])
+    for jj in range(i_dim, kq):
+      wbuf[bo + jj] = np.float32(0.0)
+
+
+@njit(**cpu._JIT)
+def _bf16_block_tokens(wbuf, nr, xb, n, kq, st, yb, o, r_lo):
+  """yb[t, r_lo + r] for the nr decoded rows in wbuf and all n tokens (cpu's tile order)."""
+  ss = 2 * _LANES * 4  # accumulators of one row x a 4-token tile
+  n4 = n - n % 4
+  for t in range(0, n4, 4):
+    st[:nr * ss] = 0.0
+    for j0 in range(0, kq, _K_BLOCK):
+      j1 = min(kq, j0 + _K_BLOCK)
+      for i in range(0, nr - 1, 2):
+        cpu._dot2x4(wbuf, i * kq, (i + 1) * kq, xb, t * kq, kq, j0, j1, st, i * ss, ss)
+      if nr % 2:
+        for tt in range(4):
+          cpu._dot1(wbuf, (nr - 1) * kq, xb, (t + tt) * kq, j0, j1, st,
+                    (nr - 1) * ss + tt * 2 * _LANES)
+    for tt in range(4):
+      for i in range(nr):
+        yb[(t + tt) * o + r_lo + i] = cpu._finish(st, i * ss + tt * 2 * _LANES)
+  for t in range(n4, n):
+    for i in range(nr):
+      st[:2 * _LANES] = 0.0
+      cpu._dot1(wbuf, i * kq, xb, t * kq, 0, kq, st, 0)
+      yb[t * o + r_lo + i] = cpu._finish(st, 0)
+
+
+@njit(**cpu._JIT)
+def _bf16_rows(xb, n, kq, w, i_dim, o, blk, nblk, step, yb):
+  """Row blocks blk, blk + step, ... < nblk of a bf16 matmul (one thread's share)."""
+  wbuf = np.empty(_ROW_BLOCK * kq, np.float32)
+  st = np.empty(_ROW_BLOCK * 2 * _LANES * 4, np.float32)
+  while blk < nblk:
+    r_lo = blk * _ROW_BLOCK
+    nr = min(_ROW_BLOCK, o - r_lo)
+    _bf16_decode_rows(w, i_dim, r_lo, nr, kq, wbuf)
+    _bf16_block_tokens(wbuf, nr, xb, n, kq, st, yb, o, r_lo)
+    blk += step
+
+
+@njit(parallel=True, **cpu._JIT)
+def _bf16_matmul(xb, n, kq, w, i_dim, o, nthreads, yb):
+  """yb[t, r] = W[r] . xb[t] for a bf16 W [o, i_dim] (xb, yb flat, row strides kq, o)."""
+  if n == 1 and i_dim == kq:  # decode: rows streamed once, dotted in registers
+    nchunk = (o + _DECODE_ROWS - 1) // _DECODE_ROWS
+    if nthreads <= 1:
+      for r in range(o):
+        yb[r] = _bf16_row(xb, w, r * i_dim, kq)
+    else:
+      for c in prange(nchunk):
+        r_lo = np.int64(c) * _DECODE_ROWS
+        for r in range(r_lo, min(o, r_lo + _DECODE_ROWS)):
+          yb[r] = _bf16_row(xb, w, r * i_dim, kq)
+    return
+  nblk = (o + _ROW_BLOCK - 1) // _ROW_BLOCK
+  if nthreads <= 1:
+    _bf16_rows(xb, n, kq, w, i_dim, o, 0, nblk, 1, yb)
+  else:
+    nth = min(nthreads, nblk)
+    for p in prange(nth):
+      _bf16_rows(xb, n, kq, w, i_dim, o, np.int64(p), nblk, nth, yb)
+
+
+@njit(**cpu._JIT)
+def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
+  """out[t, o] = x[t, i_dim] @ Wᵀ. bits 4/8: W = (pk codes, sc scales), group g; bits BF16:
+  W = w16 (bf16 bits [o, i_dim]). Parallel (nthreads) when W has >= min_par weights."""
+  if bits == BF16:
+    kp = i_dim
+  else:
+    kp = (i_dim + g - 1) // g * g
+  kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
+  th = nthreads if o * kq >= min_par else 1
+  xb = np.zeros(t * kq, np.float32)
+  for r in range(t):
+    for j in range(i_dim):
+      xb[r * kq + j] = x[r, j]
+  yb = out.reshape(t * o)
+  if t == 0 or o == 0:
+    return
+  if bits == BF16:
+    _bf16_matmul(xb, t, kq, w16, i_dim, o, th, yb)
+  else:
+    ng = kp // g
+    kb = kp // 2 if bits == 4 else kp
+    vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
+    cpu._qmatmul(xb, t, kq, pk, sc, 0, o, kb, ng, g, bits, vec_ok, th, yb)
+
+
+@njit(**cpu._JIT)
+def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out):
+  """heads_core for head hh (see there)."""
+  r0 = hh * (n_dim + v_dim)
+  if part == VALUES:  # out[t, hh, v] = W[r0 + N + v] . x[t, hh, :]: the rows' own kernel
+    xb = np.zeros(t * kq, np.float32)
+    for r in range(t):
+      for j in range(c_dim):
+        xb[r * kq + j] = x[r, hh * c_dim + j]
+    yb = np.empty(t * v_dim, np.float32)
+    cpu.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
+    for r in range(t):
+      for v in range(v_dim):
+        out[r, hh * v_dim + v] = yb[r * v_dim + v]
+  else:  # out[t, hh, :] = sum_n x[t, hh, n] * W[r0 + n, :]: decoded rows, added in n order
+    acc = np.zeros((t, c_dim), np.float32)
+    wbuf = np.empty(kq, np.float32)
+    for nn in range(n_dim):
+      row = r0 + nn
+      cpu._decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
+      for r in range(t):
+        q = x[r, hh * n_dim + nn]
+        for j in range(c_dim):
+          acc[r, j] += q * wbuf[j]
+    for r in range(t):
+      for j in range(c_dim):
+        out[r, hh * c_dim + j] = acc[r, j]
+
+
+@njit(parallel=True, **cpu._JIT)
+def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, sc, out):
+  """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized) applied per head without
+  dequantizing it whole: ``part`` KEYS: ``out[t, h*C + c] = sum_n x[t, h*N + n] W[h(N+V) + n, c]``
+  (the query absorbed into latent space); VALUES: ``out[t, h*V + v] = W[h(N+V) + N + v] .
+  x[t, h*C : (h+1)*C]`` (the latent context out to values). Parallel over heads."""
+  kp = (c_dim + g - 1) // g * g
+  kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
+  ng = kp // g
+  kb = kp // 2 if bits == 4 else kp
+  vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
+  if nthreads <= 1:
+    for hh in range(heads):
+      _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out)
+  else:
+    for hh in prange(heads):
+      _head(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc,
+            out)
+
+
+_NO_U8 = cpu._readonly(np.zeros(1, np.uint8))
+_NO_U16 = cpu._readonly(np.zeros(1, np.uint16))
+
+
+def _as_x(x, i_dim):
+  x = np.ascontiguousarray(x, dtype=np.float32)
+  if x.ndim != 2 or x.shape[1] != i_dim:
+    raise ValueError(f"x: expected [T, {i_dim}], got shape {x.shape}")
+  return x
+
+
+def _run(x, o, i_dim, bits, g, pk, w16, sc):
+  out = np.empty((x.shape[0], o), np.float32)
+  dense_core(x.shape[0], o, i_dim, bits, g, numba.get_num_threads(),
+             int(cpu.PARALLEL_MIN_WEIGHTS), cpu._readonly(x), pk, w16, sc, out)
+  return out
+
+
+def qmatmul(x, packed, scales, bits, group_size, in_features):
+  """x @ Wᵀ for a group-wise quantized W (the expert layout, see module docstring).
+
+  Args:
+    x: float [T, in_features] (converted to float32).
+    packed: uint8 [O, Kp/2] (int4) or int8 [O, Kp] (int8); Kp = ceil(I / G) * G.
+    scales: bf16 (or its uint16 bits) [O, Kp/G].
+    bits: 4 or 8. group_size: G. in_features: I (the unpadded input width).
+
+  Returns:
+    float32 [T, O]; each row bitwise independent of T and of the other rows.
+  """
+  _check_quantized(packed, scales, bits, group_size, in_features)
+  return _run(_as_x(x, in_features), np.shape(packed)[0], in_features, bits, group_size,
+              cpu._flat_packed(packed, "packed"), _NO_U16, cpu._flat_scales(scales, "scales"))
+
+
+def _check_quantized(packed, scales, bits, group_size, in_features):
+  if bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  if group_size <= 0 or (bits == 4 and group_size % 2):
+    raise ValueError(f"group_size must be positive (even for int4), got {group_size}")
+  o = np.shape(packed)[0]
+  ng = -(-in_features // group_size)
+  want_p = (o, ng * group_size // (2 if bits == 4 else 1))
+  want_dt = np.uint8 if bits == 4 else np.int8
+  if tuple(np.shape(packed)) != want_p or np.asarray(packed).dtype != want_dt:
+    raise ValueError(f"packed: expected {np.dtype(want_dt).name} {want_p}, got "
+                     f"{np.asarray(packed).dtype} {tuple(np.shape(packed))}")
+  if tuple(np.shape(scales)) != (o, ng):
+    raise ValueError(f"scales: expected shape {(o, ng)}, got {tuple(np.shape(scales))}")
+
+
+def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim, part):
+  """``heads_core`` (per-head use of a quantized MLA kv_b ``[heads * (N + V), C]``, C =
+  in_features).
+
+  x: float [T, heads * N] (KEYS) or [T, heads * C] (VALUES). Returns float32 [T, heads * C]
+  (KEYS) or [T, heads * V] (VALUES); each row bitwise independent of T.
+  """
+  o = np.shape(packed)[0]
+  c_dim = in_features
+  _check_quantized(packed, scales, bits, group_size, c_dim)
+  if o % heads or o // heads <= n_dim:
+    raise ValueError(f"kv_b rows {o} are not heads ({heads}) x (N={n_dim} + V)")
+  v_dim = o // heads - n_dim
+  x = _as_x(x, heads * (n_dim if part == KEYS else c_dim))
+  out = np.empty((x.shape[0], heads * (c_dim if part == KEYS else v_dim)), np.float32)
+  nthreads = numba.get_num_threads() if o * c_dim >= cpu.PARALLEL_MIN_WEIGHTS else 1
+  heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
+             cpu._readonly(x), cpu._flat_packed(packed, "packed"),
+             cpu._flat_scales(scales, "scales"), out)
+  return out
+
+
+def bf16_matmul(x, w):
+  """x @ Wᵀ for a bfloat16 W [O, I] (a bf16 array or its uint16 bits), accumulated in float32.
+
+  Returns float32 [T, O]; each row bitwise independent of T and of the other rows.
+  """
+  w = np.asarray(w)
+  if w.ndim != 2 or w.dtype.name not in ("bfloat16", "uint16"):
+    raise ValueError(f"w: expected bfloat16 [O, I], got {w.dtype} {w.shape}")
+  return _run(_as_x(x, w.shape[1]), w.shape[0], w.shape[1], BF16, 0, _NO_U8,
+              cpu._flat_scales(w, "w"), _NO_U16)

@@ -1,0 +1,224 @@
+"""The dense CPU kernels (issue 28): `pallas_kernels.cpu_dense` (int8, int4, bfloat16 weights)
+against a float64 reference, their custom call (`cpu_dense_ffi`) against the direct kernel bit
+for bit, and `layers.linear` under jit on the CPU platform against the kernel."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glmjax.formats.quantize import quantize
+from glmjax.model.attention import KvB
+from glmjax.model.layers import linear
+from pallas_kernels import cpu, cpu_dense, cpu_dense_ffi
+
+O_ROWS = 45  # not a multiple of a row block or a prange chunk
+I_FEATURES = 200  # not a multiple of the group (64), of 16 lanes or of 32
+# 200: padded input (int: K padded to the group; bf16: the row-buffer path at every T);
+# 256: whole groups and chunks (bf16 decode streams rows in registers).
+WIDTHS = (200, 256)
+
+
+def reference(x, w):
+  """x @ wᵀ in float64, written plainly: one multiply-add per term."""
+  t_count, o_count = x.shape[0], w.shape[0]
+  y = np.zeros((t_count, o_count), np.float64)
+  for t in range(t_count):
+    for o in range(o_count):
+      y[t, o] = np.sum(np.float64(x[t]) * np.float64(w[o]))
+  return y
+
+
+def dequantized(q):
+  """The float64 weight a QArray stands for: code × scale, codes unpacked by hand."""
+  p = np.asarray(q.packed)
+  s = np.asarray(q.scales).astype(np.float64)
+  g = q.group_size
+  if q.bits == 8:
+    codes = p.astype(np.float64)
+  else:
+    o, kb = p.shape
+    grp = p.reshape(o, kb // (g // 2), g // 2).astype(np.int64)
+    codes = np.concatenate([(grp & 15) - 8, (grp >> 4) - 8], axis=-1).reshape(o, 2 * kb)
+  w = codes.reshape(codes.shape[0], -1, g) * s[..., None]
+  return w.reshape(codes.shape[0], -1)[:, :q.in_features]
+
+
+def make_weights(i_features):
+  rng = np.random.default_rng(i_features)
+  w = (rng.standard_normal((O_ROWS, i_features)) / np.sqrt(i_features)).astype(np.float32)
+  return {"int8": quantize(w, 8, 64), "int4": quantize(w, 4, 64),
+          "bf16": w.astype(ml_dtypes.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def weights():
+  return make_weights(I_FEATURES)
+
+
+@pytest.fixture(scope="module")
+def by_width():
+  return {i: make_weights(i) for i in WIDTHS}
+
+
+def direct(fmt, x, w):
+  if fmt == "bf16":
+    return cpu_dense.bf16_matmul(x, w)
+  return cpu_dense.qmatmul(x, w.packed, w.scales, w.bits, w.group_size, w.in_features)
+
+
+def as_float64(fmt, w):
+  return np.asarray(w, np.float64) if fmt == "bf16" else dequantized(w)
+
+
+@pytest.fixture(params=[0, None], ids=["threads", "serial"])
+def parallel(request, monkeypatch):
+  """Every matrix on numba's thread pool (threshold 0), or the default (small: serial)."""
+  if request.param is not None:
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_WEIGHTS", request.param)
+
+
+@pytest.mark.parametrize("i_features", WIDTHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("t_count", [1, 3, 17])
+def test_kernel_matches_float64_reference(by_width, i_features, fmt, t_count, parallel):
+  rng = np.random.default_rng(t_count)
+  x = rng.standard_normal((t_count, i_features)).astype(np.float32)
+  w = by_width[i_features][fmt]
+  got = direct(fmt, x, w)
+  assert got.shape == (t_count, O_ROWS) and got.dtype == np.float32
+  want = reference(x, as_float64(fmt, w))
+  # float32 accumulation of 200 terms of size ~|x|/sqrt(I): a few ulps of the row's scale.
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("i_features", WIDTHS)
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+def test_rows_are_independent_of_the_token_count(by_width, i_features, fmt, parallel):
+  """Decode (T = 1), verify (T = 3) and prefill (T = 17) give each row the same bits."""
+  w = by_width[i_features][fmt]
+  x = np.random.default_rng(1).standard_normal((17, i_features)).astype(np.float32)
+  full = direct(fmt, x, w)
+  for t in (0, 5, 16):
+    np.testing.assert_array_equal(direct(fmt, x[t:t + 1], w)[0], full[t])
+  np.testing.assert_array_equal(direct(fmt, x[4:7], w), full[4:7])
+
+
+def test_custom_call_passes_its_self_test():
+  assert cpu_dense_ffi.self_test() is None
+  assert cpu_dense_ffi.backend() == "ffi"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("t_count", [1, 3, 17])
+def test_custom_call_equals_direct_kernel(weights, fmt, t_count):
+  w = weights[fmt]
+  x = np.random.default_rng(t_count + 10).standard_normal((t_count, I_FEATURES)).astype(np.float32)
+  if fmt == "bf16":
+    got = jax.jit(lambda a, b: cpu_dense_ffi.matmul_xla(a, b, bits=cpu_dense.BF16,
+                                                        in_features=I_FEATURES))(x, w)
+  else:
+    got = jax.jit(lambda a, p, s: cpu_dense_ffi.matmul_xla(
+        a, p, s, bits=w.bits, group_size=w.group_size, in_features=w.in_features))(
+            x, w.packed, w.scales)
+  np.testing.assert_array_equal(np.asarray(got), direct(fmt, x, w))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+def test_jitted_linear_on_cpu_uses_the_kernel(weights, fmt):
+  """`layers.linear` inside jit on the CPU platform: [B, S, I] activations give the kernel's
+  bits (not XLA's dequantize-then-dot), for QArrays and bfloat16 matrices alike."""
+  assert jax.default_backend() == "cpu"
+  w = weights[fmt]
+  w_j = jnp.asarray(w) if fmt == "bf16" else jax.tree.map(jnp.asarray, w)
+  x = np.random.default_rng(5).standard_normal((2, 3, I_FEATURES)).astype(np.float32)
+  got = np.asarray(jax.jit(linear)(x, w_j))
+  assert got.shape == (2, 3, O_ROWS)
+  np.testing.assert_array_equal(got.reshape(6, O_ROWS), direct(fmt, x.reshape(6, I_FEATURES), w))
+
+
+def test_float32_linear_keeps_xlas_dot():
+  """float32 weights are not routed to the kernel: XLA's einsum, bit for bit as before."""
+  rng = np.random.default_rng(9)
+  w = rng.standard_normal((O_ROWS, I_FEATURES)).astype(np.float32)
+  x = rng.standard_normal((1, 4, I_FEATURES)).astype(np.float32)
+  want = jax.jit(lambda a, b: jnp.einsum("...i,oi->...o", a, b))(x, w)
+  hlo = jax.jit(linear).lower(x, w).as_text()
+  assert "custom_call" not in hlo
+  np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), np.asarray(want))
+
+
+# An MLA kv_b [H·(N+V), C] with C = 200 (not a multiple of the group): H = 3, N = 7, V = 8.
+HEADS, N_NOPE, V_DIM = 3, 7, 8
+
+
+@pytest.fixture(scope="module")
+def kv_b():
+  rng = np.random.default_rng(11)
+  w = rng.standard_normal((HEADS * (N_NOPE + V_DIM), I_FEATURES)).astype(np.float32) / 14
+  return {8: quantize(w, 8, 64), 4: quantize(w, 4, 64)}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("t_count", [1, 3, 17])
+def test_per_head_kv_b_matches_float64_reference(kv_b, bits, t_count, parallel):
+  """The absorbed form's two per-head products of a quantized kv_b (never dequantized whole):
+  keys (query into latent space) and values (latent context out), against float64, and each
+  row independent of T."""
+  q = kv_b[bits]
+  w = dequantized(q).reshape(HEADS, N_NOPE + V_DIM, I_FEATURES)
+  rng = np.random.default_rng(t_count)
+  xk = rng.standard_normal((t_count, HEADS * N_NOPE)).astype(np.float32)
+  xv = rng.standard_normal((t_count, HEADS * I_FEATURES)).astype(np.float32)
+  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  keys = cpu_dense.heads_matmul(xk, *args, cpu_dense.KEYS)
+  values = cpu_dense.heads_matmul(xv, *args, cpu_dense.VALUES)
+  want_k = np.einsum("thn,hnc->thc", xk.reshape(t_count, HEADS, N_NOPE).astype(np.float64),
+                     w[:, :N_NOPE])
+  want_v = np.einsum("thc,hvc->thv", xv.reshape(t_count, HEADS, I_FEATURES).astype(np.float64),
+                     w[:, N_NOPE:])
+  np.testing.assert_allclose(keys.reshape(want_k.shape), want_k, rtol=0,
+                             atol=2e-5 * np.abs(want_k).max())
+  np.testing.assert_allclose(values.reshape(want_v.shape), want_v, rtol=0,
+                             atol=2e-5 * np.abs(want_v).max())
+  last = t_count - 1
+  np.testing.assert_array_equal(
+      cpu_dense.heads_matmul(xk[last:], *args, cpu_dense.KEYS)[0], keys[last])
+  np.testing.assert_array_equal(
+      cpu_dense.heads_matmul(xv[last:], *args, cpu_dense.VALUES)[0], values[last])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, bits):
+  """`attention.KvB` with a QArray on the CPU platform: the jitted absorbed products are the
+  custom call's, bit for bit the direct kernel's, and agree with the float32 split kv_b."""
+  q = kv_b[bits]
+  qj = jax.tree.map(jnp.asarray, q)
+  kvb = KvB(qj, HEADS, N_NOPE)
+  rng = np.random.default_rng(2)
+  q_nope = rng.standard_normal((2, 3, HEADS, N_NOPE)).astype(np.float32)
+  ctx = rng.standard_normal((2, 3, HEADS, I_FEATURES)).astype(np.float32)
+  got_k = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_query(x))(qj, q_nope))
+  got_v = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_output(x))(qj, ctx))
+  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  np.testing.assert_array_equal(
+      got_k.reshape(6, -1), cpu_dense.heads_matmul(q_nope.reshape(6, -1), *args, cpu_dense.KEYS))
+  np.testing.assert_array_equal(
+      got_v.reshape(6, -1), cpu_dense.heads_matmul(ctx.reshape(6, -1), *args, cpu_dense.VALUES))
+  w_uk, w_uv = (np.asarray(a) for a in kvb.split())
+  np.testing.assert_allclose(got_k, np.einsum("bshn,hnc->bshc", q_nope, w_uk), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(got_v, np.einsum("bshc,hvc->bshv", ctx, w_uv), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_bad_operands_are_refused(weights):
+  x = np.zeros((1, I_FEATURES), np.float32)
+  q = weights["int8"]
+  with pytest.raises(ValueError, match="x: expected"):
+    cpu_dense.qmatmul(x[:, :10], q.packed, q.scales, 8, 64, I_FEATURES)
+  with pytest.raises(ValueError, match="packed: expected"):
+    cpu_dense.qmatmul(x, q.packed, q.scales, 4, 64, I_FEATURES)
+  with pytest.raises(ValueError, match="w: expected bfloat16"):
+    cpu_dense.bf16_matmul(x, np.zeros((3, I_FEATURES), np.float32))
