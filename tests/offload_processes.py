@@ -1,0 +1,97 @@
+"""A driver for tests/test_multiprocess_offload.py: loads an expert store at several budget
+pairs and writes, per process, what the test checks. Run alone for the one-process reference,
+or through scripts/launch_local.py with --mesh=expert:N for the multi-process run.
+
+  python tests/offload_processes.py --store=S --out=DIR --budgets=3:4,0:0
+  python scripts/launch_local.py --processes=2 -- tests/offload_processes.py --store=S \
+      --out=DIR --budgets=3:4,0:0 --mesh=expert:2
+
+--budgets: pairs `device:host`, in experts: pins per device and MoE layer, host-cache chunks.
+Each process writes DIR/p{index}.json (tokens, its read log, tier contents, host bytes,
+counters) and DIR/p{index}_{i}.npy (the scored logits of budget pair i).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+from absl import app, flags, logging
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import glmjax  # noqa: E402
+from glmjax import distributed  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("store", None, "Expert store.", required=True)
+flags.DEFINE_string("out", None, "Output directory.", required=True)
+flags.DEFINE_string("budgets", "3:4", "device:host expert counts, comma-separated.")
+flags.DEFINE_integer("tokens", 4, "Greedy tokens to generate per budget pair.")
+flags.DEFINE_string("draft", "0", "MTP drafts per step (0: off).")
+distributed.define_flags()
+
+GB = 1 << 30
+TOKS = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
+PROMPT = [5, 6, 7]
+
+
+def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh) -> tuple:
+  """(record, logits) of one budget pair: fresh usage statistics, so every run starts alike."""
+  import jax
+  from jax.experimental import multihost_utils
+  if jax.process_count() > 1:  # every process has closed its last model (and saved)
+    multihost_utils.sync_global_devices("closed")
+  for name in ("usage.json", "couple.npy"):
+    if os.path.exists(os.path.join(store, name)) and distributed.is_main():
+      os.remove(os.path.join(store, name))
+  if jax.process_count() > 1:  # before anyone loads
+    multihost_utils.sync_global_devices("fresh")
+  with glmjax.load(store, mesh=mesh, progress=False,
+                   device_cache_gb=dev and (dev * n_layers * chunk + chunk // 2) / GB,
+                   host_cache_gb=host and (host * chunk + chunk // 2) / GB) as m:
+    eng = m.engine
+    logits = np.asarray(m.score(TOKS))
+    tokens = [int(t) for t in m.generate(PROMPT, FLAGS.tokens, temperature=0.0,
+                                         draft=int(FLAGS.draft)).tokens]
+    st = eng.telemetry()
+    rec = {
+        "tokens": tokens, "reads": sorted(set(eng.read_log)),
+        "n_reads": len(eng.read_log), "owned": np.flatnonzero(eng.tiers.owned).tolist(),
+        "pins": {str(l): [e for e in d.expert_in if e is not None]
+                 for l, d in eng.device.items()},
+        "host": [list(k) for k in eng.host.keys()], "host_used": eng.host.used,
+        "host_budget": eng.host.budget,
+        "counts": {k: st.get(k, 0.0) for k in ("experts_used", "expert_pin_hits",
+                                               "expert_host_hits", "expert_misses",
+                                               "draft_proposed", "draft_accepted")}}
+  return rec, logits
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  distributed.initialize()
+  import jax
+  mesh = distributed.mesh_from_flags()
+  me = jax.process_index()
+  with open(os.path.join(FLAGS.store, "manifest.json"), encoding="utf-8") as f:
+    manifest = json.load(f)
+  chunk = manifest["experts"]["main"]["layout"]["nbytes"]
+  n_layers = len(manifest["moe_layers"])
+  os.makedirs(FLAGS.out, exist_ok=True)
+  records = []
+  for i, pair in enumerate(FLAGS.budgets.split(",")):
+    dev, host = (int(x) for x in pair.split(":"))
+    rec, logits = one_pair(FLAGS.store, dev, host, chunk, n_layers, mesh)
+    records.append(rec)
+    np.save(os.path.join(FLAGS.out, f"p{me}_{i}.npy"), logits)
+  with open(os.path.join(FLAGS.out, f"p{me}.json"), "w", encoding="utf-8") as f:
+    json.dump({"process": me, "processes": jax.process_count(), "runs": records}, f)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
