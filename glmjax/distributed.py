@@ -57,6 +57,11 @@ def mesh_from_flags():
   return None
 
 
+def process_count() -> int:
+  """Processes in this run (1 without jax.distributed)."""
+  return jax.process_count()
+
+
 def is_main() -> bool:
   """Whether this process prints and writes files (process 0)."""
   return jax.process_index() == 0

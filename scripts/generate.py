@@ -9,7 +9,11 @@
       scripts/generate.py --prompt_ids=5,6,7
 
 With several processes (--coordinator, --num_processes, --process_id; glmjax.distributed) only
-process 0 prints and writes --json.
+process 0 prints and writes --json; an expert store's counters are summed over the processes
+(each reads, caches and counts only the experts its devices own).
+
+  python scripts/launch_local.py --processes=2 --devices_per_process=1 -- \
+      scripts/generate.py --model=STORE --host_cache_gb=2 --mesh=expert:2 --prompt_ids=5,6,7
 
 Sampling flags left unset take the model's generation_config.json (greedy without one).
 """
@@ -180,6 +184,10 @@ def run(model) -> None:
     show = dict(on_text=lambda t: print(t, end="", flush=True))
   result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
                           trace=FLAGS.trace, **show)
+  if model.engine is not None and distributed.process_count() > 1:
+    # each process counted its own experts: process 0 reports the sums
+    from glmjax.offload.owners import sum_counters
+    result.stats = sum_counters(result.stats, range(model.engine.tiers.pin_tables.shape[0]))
   print("\n" + summary(result))
   if FLAGS.trace:
     print(f"trace: {FLAGS.trace}")

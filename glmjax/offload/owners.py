@@ -119,3 +119,36 @@ def _pinned_and_host(pool, flat, slots, active, host, mesh, kernel: str):
   return jax.shard_map(local, mesh=mesh, in_specs=(p_spec, P(), P("expert"), P("expert"),
                                                    P("expert")),
                        out_specs=P())(pool, flat, slots, active, host)
+
+
+# The engine's counters that each process keeps for its own experts (sums over processes give
+# one process's count); routing statistics, timings and gauges are the same everywhere or not
+# additive, and stay process 0's.
+ADDITIVE = ("experts_used", "expert_pin_hits", "expert_host_hits", "expert_misses",
+            "expert_bytes_read", "experts_on_device", "experts_on_host", "h2d_bytes", "repins",
+            "prefill_expert_bytes", "pilot_hits", "pilot_predicted", "pilot_actual",
+            "prefetch_issued", "prefetch_dropped", "prefetch_landed", "prefetch_useful",
+            "prefetch_late", "prefetch_wasted", "prefetch_failed", "prefetch_unused",
+            "prefetch_inflight", "io_service_s", "io_wait_s")
+
+
+def additive_counters(layers) -> list[str]:
+  """The names `sum_counters` adds up, for an engine whose MoE layers are `layers`."""
+  return list(ADDITIVE) + [f"misses_layer_{l}" for l in layers]
+
+
+def sum_counters(stats: dict, layers) -> dict:
+  """`stats` with the additive counters summed over every process (a collective: every
+  process calls it), and the pilot's rates recomputed from the sums."""
+  from jax.experimental import multihost_utils
+  names = additive_counters(layers)
+  mine = np.asarray([float(stats.get(k, 0.0)) for k in names], np.float64)
+  # float64 travels as its bits (uint32 pairs): JAX would narrow it to float32
+  got = np.asarray(multihost_utils.process_allgather(mine.view(np.uint32)), np.uint32)
+  total = got.reshape(-1, 2 * len(names)).view(np.float64).sum(0)
+  out = dict(stats)
+  out.update({k: float(v) for k, v in zip(names, total) if k in stats or v})
+  if out.get("pilot_actual"):
+    out["pilot_recall"] = out["pilot_hits"] / out["pilot_actual"]
+    out["pilot_precision"] = out["pilot_hits"] / max(out["pilot_predicted"], 1.0)
+  return out
