@@ -32,6 +32,7 @@ from absl import app, flags, logging
 
 import glmjax
 from glmjax import distributed
+from glmjax.offload.owners import peers_named, sum_counters
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
@@ -186,7 +187,6 @@ def run(model) -> None:
                           trace=FLAGS.trace, **show)
   if model.engine is not None and distributed.process_count() > 1:
     # each process counted its own experts: process 0 reports the sums
-    from glmjax.offload.owners import sum_counters
     result.stats = sum_counters(result.stats, range(model.engine.tiers.pin_tables.shape[0]))
   print("\n" + summary(result))
   if FLAGS.trace:
@@ -216,12 +216,14 @@ def main(argv):
     distributed.initialize()
     if not distributed.is_main():  # every process computes; process 0 alone speaks
       sys.stdout = open(os.devnull, "w")
-    with glmjax.load(FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
-                     moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype,
-                     attention=FLAGS.attention, **options) as model:
+    with peers_named("generate"), glmjax.load(
+        FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
+        moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, attention=FLAGS.attention,
+        **options) as model:
       run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)
+    distributed.exit_now(1)  # several processes: the others fail now rather than wait
     return 1
   except KeyboardInterrupt:
     print("\ninterrupted", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -31,6 +32,8 @@ flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("budgets", "3:4", "device:host expert counts, comma-separated.")
 flags.DEFINE_integer("tokens", 4, "Greedy tokens to generate per budget pair.")
 flags.DEFINE_string("draft", "0", "MTP drafts per step (0: off).")
+flags.DEFINE_integer("die", -1, "This process index kills itself (SIGKILL) once loaded: the "
+                     "others must fail with an error naming it.")
 distributed.define_flags()
 
 GB = 1 << 30
@@ -53,6 +56,8 @@ def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh) -
                    device_cache_gb=dev and (dev * n_layers * chunk + chunk // 2) / GB,
                    host_cache_gb=host and (host * chunk + chunk // 2) / GB) as m:
     eng = m.engine
+    if FLAGS.die == jax.process_index():
+      os.kill(os.getpid(), signal.SIGKILL)
     logits = np.asarray(m.score(TOKS))
     tokens = [int(t) for t in m.generate(PROMPT, FLAGS.tokens, temperature=0.0,
                                          draft=int(FLAGS.draft)).tokens]
@@ -85,7 +90,12 @@ def main(argv):
   records = []
   for i, pair in enumerate(FLAGS.budgets.split(",")):
     dev, host = (int(x) for x in pair.split(":"))
-    rec, logits = one_pair(FLAGS.store, dev, host, chunk, n_layers, mesh)
+    try:
+      rec, logits = one_pair(FLAGS.store, dev, host, chunk, n_layers, mesh)
+    except glmjax.GlmjaxError as e:
+      print(f"error: {e}", file=sys.stderr)
+      distributed.exit_now(1)
+      return 1
     records.append(rec)
     np.save(os.path.join(FLAGS.out, f"p{me}_{i}.npy"), logits)
   with open(os.path.join(FLAGS.out, f"p{me}.json"), "w", encoding="utf-8") as f:

@@ -49,7 +49,7 @@ from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
 from glmjax.offload.fused import FusedStep
-from glmjax.offload.owners import Ownership
+from glmjax.offload.owners import Ownership, peer_guarded
 from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider
@@ -284,6 +284,7 @@ class OffloadEngine:
       pf.fill_host()
     return all_cached
 
+  @peer_guarded
   def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
               n_valid: int | None = None, record: list | None = None,
               record_opts: RecordOptions = RecordOptions(), expert_cap: int | None = None):
@@ -313,6 +314,7 @@ class OffloadEngine:
       self.heat.decay()  # else settle() decays, after the uses
     return out
 
+  @peer_guarded
   def prefill(self, chunks: list, cache: KVCache, n_valid: int, record: list | None = None,
               record_opts: RecordOptions = RecordOptions()):
     """A prompt's chunks (token arrays `[B, S_j]`, only the last padded: its first `n_valid`
@@ -376,6 +378,7 @@ class OffloadEngine:
       self.fused_step.ready, pf.prev_union = saved[1:]
     return cache
 
+  @peer_guarded
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
 

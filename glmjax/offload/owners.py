@@ -16,6 +16,7 @@ zeros, so the result is bitwise what one process computes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from glmjax.errors import InputError
+from glmjax.errors import InputError, PeerError
 from glmjax.model.moe import pool_terms
 from glmjax.sharding import axis_size, put, replicated
 
@@ -119,6 +120,38 @@ def _pinned_and_host(pool, flat, slots, active, host, mesh, kernel: str):
   return jax.shard_map(local, mesh=mesh, in_specs=(p_spec, P(), P("expert"), P("expert"),
                                                    P("expert")),
                        out_specs=P())(pool, flat, slots, active, host)
+
+
+# What a collective's failure says when a peer's connection is gone (gloo on CPU) or the
+# coordination service declared a peer dead.
+PEER_SIGNS = ("Gloo", "gloo", "heartbeat", "coordination service", "Connection closed")
+
+
+@contextlib.contextmanager
+def peers_named(where: str):
+  """Turns a collective failing because another process died or left into a PeerError naming
+  the other processes (with two, the one that failed). Only with several processes."""
+  try:
+    yield
+  except (RuntimeError, ValueError) as e:
+    if jax.process_count() == 1 or not any(s in str(e) for s in PEER_SIGNS):
+      raise
+    me = jax.process_index()
+    others = [p for p in range(jax.process_count()) if p != me]
+    who = f"process {others[0]}" if len(others) == 1 else f"one of processes {others}"
+    raise PeerError(f"{where}: {who} of this {jax.process_count()}-process run died or left "
+                    f"(a collective failed on process {me}): {str(e).splitlines()[0][:300]}"
+                    ) from None
+
+
+def peer_guarded(method):
+  """An engine method whose collectives' failures from a dead peer become a PeerError naming
+  the store and the peer (`peers_named`)."""
+  @functools.wraps(method)
+  def call(self, *args, **kw):
+    with peers_named(self.store.path):
+      return method(self, *args, **kw)
+  return call
 
 
 # The engine's counters that each process keeps for its own experts (sums over processes give
