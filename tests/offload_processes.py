@@ -59,9 +59,9 @@ def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh) -
     if FLAGS.die == jax.process_index():
       os.kill(os.getpid(), signal.SIGKILL)
     logits = np.asarray(m.score(TOKS))
-    tokens = [int(t) for t in m.generate(PROMPT, FLAGS.tokens, temperature=0.0,
-                                         draft=int(FLAGS.draft)).tokens]
-    st = eng.telemetry()
+    result = m.generate(PROMPT, FLAGS.tokens, temperature=0.0, draft=int(FLAGS.draft))
+    tokens = [int(t) for t in result.tokens]
+    st = {**eng.telemetry(), **{k: v for k, v in result.stats.items() if k.startswith("draft")}}
     rec = {
         "tokens": tokens, "reads": sorted(set(eng.read_log)),
         "n_reads": len(eng.read_log), "owned": np.flatnonzero(eng.tiers.owned).tolist(),

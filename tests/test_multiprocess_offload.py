@@ -1,6 +1,7 @@
 """The offload engine across processes (scripts/launch_local.py, 2 processes × 1 CPU device, mesh
 `expert:2`) on a tiny synthetic store of 16 experts per layer that needs offload, at three
-budget pairs in one launch, against one process without a mesh.
+budget pairs in one launch, against one process without a mesh: scoring, and generation with
+MTP speculative decoding.
 
 Ownership: expert e belongs to the process whose device sits at expert index e // 8, so
 process 0 owns experts 0-7 and process 1 experts 8-15 of every MoE layer. The driver is
@@ -39,12 +40,12 @@ def runs(tmp_path_factory):
     make_synthetic_store(s, geometry="tiny", moe_layers=2, experts=16, seed=3)
   one, two = str(base / "out1"), str(base / "out2")
   ref = subprocess.Popen([sys.executable, DRIVER, f"--store={stores[0]}", f"--out={one}",
-                          "--budgets=0:0"], env=_env(), stdout=subprocess.PIPE,
+                          "--budgets=0:0", "--draft=2"], env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT)
   multi = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
        "--devices_per_process=1", "--timeout_s=400", "--", DRIVER, f"--store={stores[1]}",
-       f"--out={two}", f"--budgets={BUDGETS}", "--mesh=expert:2"],
+       f"--out={two}", f"--budgets={BUDGETS}", "--mesh=expert:2", "--draft=2"],
       capture_output=True, text=True, timeout=450, env=_env())
   ref_out = ref.communicate(timeout=450)[0]
   assert ref.returncode == 0, ref_out[-3000:]
@@ -60,12 +61,17 @@ def runs(tmp_path_factory):
 
 
 def test_logits_and_tokens_equal_one_process(runs):
+  """Scored logits bitwise; the greedy tokens of speculative decoding (2 MTP drafts a step, the
+  MTP layer's experts owned like the others) equal, with the same drafts accepted."""
   ref, ref_logits, procs, logits = runs
+  assert ref["counts"]["draft_proposed"] > 0
   for p in range(2):
     assert procs[p]["processes"] == 2
     for i, rec in enumerate(procs[p]["runs"]):
       assert np.array_equal(logits[p][i], ref_logits), (p, i)  # bitwise, at every budget
       assert rec["tokens"] == ref["tokens"], (p, i)
+      for k in ("draft_proposed", "draft_accepted"):
+        assert rec["counts"][k] == ref["counts"][k], (p, i, k)
 
 
 def test_each_process_owns_and_reads_its_half(runs):
