@@ -82,6 +82,13 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def per_process(path: str | None) -> str | None:
+  """`path` with `{process}` replaced by this process's index: each host (or each local
+  process) may open its own copy of a store, which needs to hold only the chunks of the
+  experts that process owns (glmjax.offload.owners)."""
+  return None if path is None else path.replace("{process}", str(jax.process_index()))
+
+
 def is_main() -> bool:
   """Whether this process prints and writes files (process 0)."""
   return jax.process_index() == 0

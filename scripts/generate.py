@@ -35,7 +35,9 @@ from glmjax import distributed
 from glmjax.offload.owners import peers_named, sum_counters
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
+flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded. "
+                    "With several processes `{process}` in it becomes the process index (a "
+                    "store copy per process, holding at least the experts it owns).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids (instead of --prompt).")
 flags.DEFINE_string("prompt_file", None, "Read the prompt text from this file (long prompts).")
@@ -217,7 +219,7 @@ def main(argv):
     if not distributed.is_main():  # every process computes; process 0 alone speaks
       sys.stdout = open(os.devnull, "w")
     with peers_named("generate"), glmjax.load(
-        FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
+        distributed.per_process(FLAGS.model), mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
         moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, attention=FLAGS.attention,
         **options) as model:
       run(model)

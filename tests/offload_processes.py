@@ -27,7 +27,8 @@ import glmjax  # noqa: E402
 from glmjax import distributed  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("store", None, "Expert store.", required=True)
+flags.DEFINE_string("store", None, "Expert store (`{process}` in it: the process index).",
+                    required=True)
 flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("budgets", "3:4", "device:host expert counts, comma-separated.")
 flags.DEFINE_integer("tokens", 4, "Greedy tokens to generate per budget pair.")
@@ -41,14 +42,15 @@ TOKS = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
 PROMPT = [5, 6, 7]
 
 
-def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh) -> tuple:
+def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh,
+             own_copy: bool) -> tuple:
   """(record, logits) of one budget pair: fresh usage statistics, so every run starts alike."""
   import jax
   from jax.experimental import multihost_utils
   if jax.process_count() > 1:  # every process has closed its last model (and saved)
     multihost_utils.sync_global_devices("closed")
-  for name in ("usage.json", "couple.npy"):
-    if os.path.exists(os.path.join(store, name)) and distributed.is_main():
+  for name in ("usage.json", "couple.npy"):  # each store by one process
+    if os.path.exists(os.path.join(store, name)) and (distributed.is_main() or own_copy):
       os.remove(os.path.join(store, name))
   if jax.process_count() > 1:  # before anyone loads
     multihost_utils.sync_global_devices("fresh")
@@ -82,7 +84,8 @@ def main(argv):
   import jax
   mesh = distributed.mesh_from_flags()
   me = jax.process_index()
-  with open(os.path.join(FLAGS.store, "manifest.json"), encoding="utf-8") as f:
+  store = distributed.per_process(FLAGS.store)  # `{process}`: a copy per process
+  with open(os.path.join(store, "manifest.json"), encoding="utf-8") as f:
     manifest = json.load(f)
   chunk = manifest["experts"]["main"]["layout"]["nbytes"]
   n_layers = len(manifest["moe_layers"])
@@ -91,7 +94,7 @@ def main(argv):
   for i, pair in enumerate(FLAGS.budgets.split(",")):
     dev, host = (int(x) for x in pair.split(":"))
     try:
-      rec, logits = one_pair(FLAGS.store, dev, host, chunk, n_layers, mesh)
+      rec, logits = one_pair(store, dev, host, chunk, n_layers, mesh, store != FLAGS.store)
     except glmjax.GlmjaxError as e:
       print(f"error: {e}", file=sys.stderr)
       distributed.exit_now(1)

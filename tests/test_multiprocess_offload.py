@@ -1,7 +1,8 @@
 """The offload engine across processes (scripts/launch_local.py, 2 processes × 1 CPU device, mesh
 `expert:2`) on a tiny synthetic store of 16 experts per layer that needs offload, at three
 budget pairs in one launch, against one process without a mesh: scoring, and generation with
-MTP speculative decoding.
+MTP speculative decoding. Each process opens its own copy of the store (`{process}` in the
+path) that holds only the chunks of the experts it owns.
 
 Ownership: expert e belongs to the process whose device sits at expert index e // 8, so
 process 0 owns experts 0-7 and process 1 experts 8-15 of every MoE layer. The driver is
@@ -10,6 +11,7 @@ tests/offload_processes.py; each process writes its own record.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,21 +32,37 @@ def _env():
   return env
 
 
+def _keep_share(store: str, experts) -> None:
+  """Deletes every expert chunk of `store` (main and MTP groups) but those of `experts`."""
+  keep = {str(e) for e in experts}
+  for group in ("main", "mtp"):
+    root = os.path.join(store, "experts", group, "c")
+    for row in os.listdir(root):
+      for e in os.listdir(os.path.join(root, row)):
+        if e not in keep:
+          shutil.rmtree(os.path.join(root, row, e))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """(one-process record, its logits, [each process's record], [[its logits per budget]])."""
   from glmjax.formats.synthetic import make_synthetic_store
   base = tmp_path_factory.mktemp("mp_offload")
-  stores = [str(base / name) for name in ("one", "two")]  # one store per run: usage files
+  # The reference's store, and one copy per process holding only the chunks that process owns
+  # (a read of another's expert would fail: the chunk is not there).
+  stores = [str(base / name) for name in ("one", "two0", "two1")]
   for s in stores:
     make_synthetic_store(s, geometry="tiny", moe_layers=2, experts=16, seed=3)
+  for p, s in enumerate(stores[1:]):
+    _keep_share(s, range(8 * p, 8 * p + 8))
   one, two = str(base / "out1"), str(base / "out2")
   ref = subprocess.Popen([sys.executable, DRIVER, f"--store={stores[0]}", f"--out={one}",
                           "--budgets=0:0", "--draft=2"], env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT)
   multi = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
-       "--devices_per_process=1", "--timeout_s=400", "--", DRIVER, f"--store={stores[1]}",
+       "--devices_per_process=1", "--timeout_s=400", "--", DRIVER,
+       f"--store={base / 'two{process}'}",
        f"--out={two}", f"--budgets={BUDGETS}", "--mesh=expert:2", "--draft=2"],
       capture_output=True, text=True, timeout=450, env=_env())
   ref_out = ref.communicate(timeout=450)[0]
