@@ -7,11 +7,15 @@ whose devices sit at that index. Each process's tiers (pins, host cache, prefetc
 with its own experts only; every process sees every token's routing, so what a process decides
 depends on routing and its own state alone, never on another process's reads or timing.
 
-Per MoE layer step, every process calls `combine_terms` once per chunk (always: a collective
+Per MoE layer step, every process calls `Ownership.combine` once per chunk (always: a collective
 skipped by one process would leave the others waiting). Each device of the `expert` axis
 contributes the terms of the pairs it owns (pinned ones computed there, host-held ones computed
 by its process's CPU kernel) and zeros elsewhere; one psum over `expert` adds a term to exact
 zeros, so the result is bitwise what one process computes.
+
+Also here: a collective failing because a peer died becomes a PeerError naming it
+(`peers_named`), and the counters each process keeps for its own experts are summed for
+process 0's report (`sum_counters`).
 """
 
 from __future__ import annotations
@@ -60,13 +64,6 @@ class Ownership:
       if procs == {me}:
         local.append(d)
     return local
-
-  def owns(self, e: int) -> bool:
-    return bool(self.owned[e])
-
-  def device_of(self, e: int) -> int:
-    """The index along `expert` that owns expert `e`."""
-    return e // self.block
 
   def mine(self, experts) -> list[int]:
     """`experts` (in their order) that this process owns."""
