@@ -114,7 +114,9 @@ class OffloadEngine:
     dev_slots = int(min(e // n_dev, per_dev))
     self.slots = int(min(e, n_dev * per_dev))
     self.all_resident = self.slots == e
-    self.owners = None if mesh is None else Ownership(mesh, e)
+    # Ownership by process for the tiers (an all-resident mesh needs none: its pools follow the
+    # plan, whatever processes an expert index spans).
+    self.owners = Ownership(mesh, e) if mesh is not None and not self.all_resident else None
     if mesh is not None and jax.process_count() > 1:
       _check_same_everywhere(store.path, dev_slots, cache_route is not None)
     host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
