@@ -16,3 +16,7 @@ class CheckpointError(GlmjaxError):
 
 class InputError(GlmjaxError):
   """Bad arguments to a public call (token ids out of range, sequence too long, ...)."""
+
+
+class PeerError(GlmjaxError):
+  """Another process of a multi-process run died or left: a collective could not complete."""

@@ -9,7 +9,11 @@
       scripts/generate.py --prompt_ids=5,6,7
 
 With several processes (--coordinator, --num_processes, --process_id; glmjax.distributed) only
-process 0 prints and writes --json.
+process 0 prints and writes --json; an expert store's counters are summed over the processes
+(each reads, caches and counts only the experts its devices own).
+
+  python scripts/launch_local.py --processes=2 --devices_per_process=1 -- \
+      scripts/generate.py --model=STORE --host_cache_gb=2 --mesh=expert:2 --prompt_ids=5,6,7
 
 Sampling flags left unset take the model's generation_config.json (greedy without one).
 """
@@ -28,9 +32,12 @@ from absl import app, flags, logging
 
 import glmjax
 from glmjax import distributed
+from glmjax.offload.owners import peers_named, sum_counters
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
+flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded. "
+                    "With several processes `{process}` in it becomes the process index (a "
+                    "store copy per process, holding at least the experts it owns).")
 flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids (instead of --prompt).")
 flags.DEFINE_string("prompt_file", None, "Read the prompt text from this file (long prompts).")
@@ -185,6 +192,9 @@ def run(model) -> None:
     show = dict(on_text=lambda t: print(t, end="", flush=True))
   result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
                           trace=FLAGS.trace, **show)
+  if model.engine is not None and distributed.process_count() > 1:
+    # each process counted its own experts: process 0 reports the sums
+    result.stats = sum_counters(result.stats, range(model.engine.tiers.pin_tables.shape[0]))
   print("\n" + summary(result, model.memory))
   if FLAGS.trace:
     print(f"trace: {FLAGS.trace}")
@@ -213,12 +223,14 @@ def main(argv):
     distributed.initialize()
     if not distributed.is_main():  # every process computes; process 0 alone speaks
       sys.stdout = open(os.devnull, "w")
-    with glmjax.load(FLAGS.model, mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
-                     moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype,
-                     attention=FLAGS.attention, **options) as model:
+    with peers_named("generate"), glmjax.load(
+        distributed.per_process(FLAGS.model), mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
+        moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, attention=FLAGS.attention,
+        **options) as model:
       run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)
+    distributed.exit_now(1)  # several processes: the others fail now rather than wait
     return 1
   except KeyboardInterrupt:
     print("\ninterrupted", file=sys.stderr)

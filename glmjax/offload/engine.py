@@ -21,9 +21,11 @@ identical whatever tier served an expert and in whatever order reads complete.
 With every expert resident the provider is one jitted kernel call per layer and the steps run
 back to back with no host round trip.
 
-On a mesh (one process) each device of the `expert` axis pins only experts it owns (`MeshPins`)
-and computes them under shard_map; everything else runs on the host as above, its terms then
-replicated onto the mesh. Host cache, I/O threads and bookkeeping are the process's.
+On a mesh each device of the `expert` axis pins only experts it owns (`MeshPins`) and computes
+them under shard_map; everything else its process owns runs on that process's host as above.
+Across processes (`owners.Ownership`) each process's tiers, reads, prefetch and counters concern
+only the experts its devices own, and one psum over `expert` per layer step combines every
+owner's terms. Host cache, I/O threads and bookkeeping are the process's.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
 from glmjax.offload.fused import FusedStep
+from glmjax.offload.owners import Ownership, peer_guarded
 from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider
@@ -57,6 +60,22 @@ from glmjax.sharding import axis_size
 USAGE_FILE = "usage.json"
 COUPLE_FILE = "couple.npy"
 PLACEMENTS = ("auto", "device", "host")
+
+
+def _check_same_everywhere(path: str, dev_slots: int, cache_route: bool) -> None:
+  """Across processes the pin pools form one array and every process runs the same steps, so
+  the device budget's slots must agree; cache-aware routing would route by each process's own
+  tiers, so it is refused (one collective at load)."""
+  from jax.experimental import multihost_utils
+  if cache_route:
+    raise InputError(f"{path}: cache_route routes toward this process's resident experts; "
+                     "with several processes each would route differently. Turn it off")
+  got = multihost_utils.process_allgather(np.asarray([dev_slots], np.int64)).reshape(-1)
+  if len(set(got.tolist())) > 1:
+    raise InputError(
+        f"{path}: device_cache_gb gives {got.tolist()} pinned experts per device and layer on "
+        "processes 0.." f"{len(got) - 1}; every process needs the same device budget "
+        "(host_cache_gb may differ)")
 
 
 @dataclasses.dataclass
@@ -95,16 +114,19 @@ class OffloadEngine:
     dev_slots = int(min(e // n_dev, per_dev))
     self.slots = int(min(e, n_dev * per_dev))
     self.all_resident = self.slots == e
-    if mesh is not None and not self.all_resident and jax.process_count() > 1:
-      raise InputError(
-          f"{store.path}: the tiered (partly resident) engine on a mesh runs in one process for "
-          f"now; the device budget allows {self.slots} of {e} experts per layer. Raise "
-          "device_cache_gb so that every expert is resident, or run in one process")
+    # Ownership by process for the tiers (an all-resident mesh needs none: its pools follow the
+    # plan, whatever processes an expert index spans).
+    self.owners = Ownership(mesh, e) if mesh is not None and not self.all_resident else None
+    if mesh is not None and jax.process_count() > 1:
+      _check_same_everywhere(store.path, dev_slots, cache_route is not None)
     host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
     slabs = HostSlabs(store.layout, self._max_host_slots(host.budget), n_layers, e)
     # The read function closes over the store only, never the engine (see ExpertReader).
-    read = lambda layer, expert, store=store: store.read_chunk(layer, expert)
+    # Every chunk this process reads, as (layer, expert), in submission order (the read log).
+    self.read_log: list[tuple[int, int]] = []
+    read = lambda layer, expert, store=store, log=self.read_log: (
+        log.append((layer, expert)), store.read_chunk(layer, expert))[1]
     self.reader = ExpertReader(read, io_workers, io_timeout_s)
     # A model dropped without close() still stops its I/O threads when collected.
     self._finalizer = weakref.finalize(self, self.reader.close)
@@ -116,6 +138,8 @@ class OffloadEngine:
     # pin_tables `[L, E]`: rows are the DevicePools' tables (each expert's slot, or -1)
     self.tiers = Tiers({}, host, slabs, np.full((n_layers, e), -1, np.int32),
                        Heat.load(self.usage_path), self.chunk_bytes, self.stats)
+    if self.owners is not None:
+      self.tiers.owned = self.owners.owned
     mtp = [cfg.num_hidden_layers] if dense.mtp else []
     pin_device_tier(self.tiers, store, self.reader, self.moe_layers, e, self.slots, dev_slots,
                     self.all_resident, mtp, mesh, progress)
@@ -128,7 +152,8 @@ class OffloadEngine:
     self.placement = Placement(expert_compute, jax.default_backend() == "cpu", store,
                                self.stats)
     self.provider = TieredProvider(cfg, dense, store, self.tiers, self.prefetcher, self.reader,
-                                   self.placement, self.stats, resolve_kernel(kernel), mesh)
+                                   self.placement, self.stats, resolve_kernel(kernel), mesh,
+                                   self.owners)
     # The fused step needs every expert in CPU memory addressable by slot and exact routing;
     # on a mesh it is off (its pin pools are one-device): steps run layer by layer.
     self.fused_step = FusedStep(
@@ -261,6 +286,7 @@ class OffloadEngine:
       pf.fill_host()
     return all_cached
 
+  @peer_guarded
   def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
               n_valid: int | None = None, record: list | None = None,
               record_opts: RecordOptions = RecordOptions(), expert_cap: int | None = None):
@@ -290,6 +316,7 @@ class OffloadEngine:
       self.heat.decay()  # else settle() decays, after the uses
     return out
 
+  @peer_guarded
   def prefill(self, chunks: list, cache: KVCache, n_valid: int, record: list | None = None,
               record_opts: RecordOptions = RecordOptions()):
     """A prompt's chunks (token arrays `[B, S_j]`, only the last padded: its first `n_valid`
@@ -353,6 +380,7 @@ class OffloadEngine:
       self.fused_step.ready, pf.prev_union = saved[1:]
     return cache
 
+  @peer_guarded
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
 

@@ -55,11 +55,14 @@ def pin_device_tier(tiers: Tiers, store, reader, moe_layers: list[int], n_expert
 
 def _rank_mesh_pins(tiers: Tiers, reader, layer: int, layout, n_experts: int, dev_slots: int,
                     mesh, futures: dict) -> None:
-  """On a mesh: each device's pool gets the hottest experts it owns, slots by heat rank."""
-  pins = MeshPins(layer, dev_slots, layout, mesh, n_experts, tiers.pin_tables[layer])
+  """On a mesh: each device's pool gets the hottest experts it owns, slots by heat rank (the
+  same heat in every process: each sees every token's routing)."""
+  local = [d for d in range(axis_size(mesh, "expert"))
+           if tiers.owned[d * (n_experts // axis_size(mesh, "expert"))]]
+  pins = MeshPins(layer, dev_slots, layout, mesh, n_experts, tiers.pin_tables[layer], local)
   tiers.device[layer] = pins
   ranked = tiers.heat.hottest(layer, n_experts, n_experts)
-  for d in range(axis_size(mesh, "expert")):
+  for d in local:  # this process's indices only: another process pins its own
     own = [x for x in ranked if pins.owner(x) == d][:dev_slots]
     for slot, x in enumerate(own):
       futures[reader.submit(layer, x)] = (layer, x, slot)

@@ -64,10 +64,11 @@ class Prefetcher:
     return self.tiers.holds(layer, e) or (layer, e) in self.ledger.pending
 
   def hint(self, layer: int, experts, kind: int) -> None:
-    """Queues non-resident `experts` of `layer` for reading at priority `kind`."""
+    """Queues non-resident `experts` of `layer` for reading at priority `kind` (those this
+    process owns: another process reads its own)."""
     for e in experts:
       e = int(e)
-      if self.resident(layer, e):
+      if not self.tiers.owned[e] or self.resident(layer, e):
         continue
       fut = self.reader.submit(layer, e, kind)
       if fut is None:
@@ -137,9 +138,13 @@ class Prefetcher:
         self.stats["expert_bytes_read"] += fut.result().nbytes  # read, and for nothing
 
   def count_pilot(self, layer: int, union) -> None:
-    """Scores the pilot's prediction for `layer` against the experts it used."""
+    """Scores the pilot's prediction for `layer` against the experts it used (those this
+    process owns, on both sides, so that the processes' counts add up to one process's)."""
     pred = self.pilot_pred.pop(layer, None)
     if pred is not None:
+      owned = self.tiers.owned
+      pred = {e for e in pred if owned[e]}
+      union = [e for e in union if owned[e]]
       self.stats["pilot_hits"] += len(pred & set(union))
       self.stats["pilot_predicted"] += len(pred)
       self.stats["pilot_actual"] += len(union)
@@ -169,12 +174,14 @@ class Prefetcher:
 
   # -- the host fill ----------------------------------------------------------------------------
   def fill_keys(self) -> list:
-    """Main-layer (layer, expert) keys in fill order: each layer's experts hottest first by
-    the usage history, layers interleaved (a fixed order, whatever the reads' timing)."""
-    e = self.n_experts
-    ranked = [list(dict.fromkeys(self.tiers.heat.hottest(l, e, e) + list(range(e))))
-              for l in self.moe_layers]
-    return [(l, r[i]) for i in range(e) for l, r in zip(self.moe_layers, ranked)]
+    """Main-layer (layer, expert) keys in fill order: each layer's experts this process owns,
+    hottest first by the usage history, layers interleaved (a fixed order, whatever the reads'
+    timing)."""
+    e, owned = self.n_experts, self.tiers.owned
+    ranked = [[x for x in dict.fromkeys(self.tiers.heat.hottest(l, e, e) + list(range(e)))
+               if owned[x]] for l in self.moe_layers]
+    return [(l, r[i]) for i in range(len(ranked[0]) if ranked else 0)
+            for l, r in zip(self.moe_layers, ranked)]
 
   def fill_host(self) -> None:
     """Queues FILL reads of main-layer experts no tier holds, as far as the reader has room

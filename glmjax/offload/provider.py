@@ -27,14 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config
-from glmjax.model.forward import JITTED, bucket, sharded_terms, valid_rows
+from glmjax.model.forward import JITTED, bucket, valid_rows
 from glmjax.model.layers import F32, rms_norm
 from glmjax.model.moe import pool_terms
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device, gather_slot
-from glmjax.sharding import put, replicated
 from pallas_kernels import cpu
 
 
@@ -54,11 +53,6 @@ pool_terms_step = jax.jit(pool_terms, static_argnames=("kernel",))
 def merge_terms(active, a, b):
   """`a`'s terms `[T, K, D]` where `active` `[T, K]` is set, `b`'s elsewhere."""
   return jnp.where(active[..., None], a, b)
-
-
-# Pinned experts on a mesh: each device computes the pairs whose slot lies in its own block of
-# the assembled pool, one psum over `expert` (a term plus exact zeros: unchanged).
-sharded_pool_terms = jax.jit(sharded_terms, static_argnames=("mesh", "kernel"))
 
 
 @dataclasses.dataclass
@@ -150,10 +144,11 @@ class TieredProvider:
   it removes."""
 
   def __init__(self, cfg: Config, dense, store, tiers: Tiers, prefetcher: Prefetcher, reader,
-               placement: Placement, stats, kernel: str, mesh):
+               placement: Placement, stats, kernel: str, mesh, owners=None):
     self.cfg, self.dense, self.store, self.tiers = cfg, dense, store, tiers
     self.prefetcher, self.reader, self.placement, self.stats = prefetcher, reader, placement, stats
     self.kernel, self.mesh = kernel, mesh
+    self.owners = owners  # `owners.Ownership` on a mesh: which experts are this process's
     self.stage_s: dict | None = None
     self._layer_index = {id(l): i for i, l in enumerate(dense.layers)}  # for `dense_pilot`
 
@@ -181,13 +176,14 @@ class TieredProvider:
       pilots.append(None if pilot is None else np.asarray(pilot)[valid])
       stats.append(None if r.route_stats is None else np.asarray(r.route_stats))
     union = sorted(set().union(*(s.pairs for s in steps)))
+    owned = union if self.owners is None else self.owners.mine(union)  # this process's share
     t0 = time.perf_counter()
     pinned, cached, futures = self.account(
-        layer, union, np.concatenate(valids),
+        layer, union, owned, np.concatenate(valids),
         None if stats[0] is None else np.concatenate(stats),
         None if pilots[0] is None else np.concatenate(pilots))
     self.stage("bookkeeping", t0)
-    yield from self.compute(layer, steps, union, pinned, cached, futures)
+    yield from self.compute(layer, steps, owned, pinned, cached, futures)
 
   def stage(self, name: str, t0: float, wait=None) -> float:
     """With stage timing on (`stage_s` a dict), adds the time since `t0` to stage `name`
@@ -200,10 +196,12 @@ class TieredProvider:
     self.stage_s[name] = self.stage_s.get(name, 0.0) + now - t0
     return now
 
-  def account(self, layer: int, union: list[int], valid, route_stats, pilot):
-    """A layer step's tier lookups and counters, in union order: (pinned, host-cached, miss
+  def account(self, layer: int, union: list[int], owned: list[int], valid, route_stats, pilot):
+    """A layer step's tier lookups and counters over `owned` (the experts of `union` this
+    process owns; all of them in one process), in union order: (pinned, host-cached, miss
     futures). Every miss is submitted to the I/O threads here, at once, unless a prefetch of
-    it is under way (`Prefetcher.take`)."""
+    it is under way (`Prefetcher.take`). Heat and co-activation learn from the whole `union`,
+    which every process sees, so they are the same in every process."""
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
       swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[valid].sum(axis=0))
       self.stats["route_swaps"] += swaps
@@ -211,13 +209,13 @@ class TieredProvider:
       self.stats["route_kl_sum"] += kl
       self.stats["route_tokens"] += int(valid.sum())
     self.tiers.heat.use(layer, union)
-    self.stats["experts_used"] += len(union)
+    self.stats["experts_used"] += len(owned)
     pf = self.prefetcher
     if pf.enabled and not pf.paused:  # a precompile step leaves the tiers alone
       pf.land()
-      pf.ledger.used([(layer, e) for e in union])
+      pf.ledger.used([(layer, e) for e in owned])
     pf.count_pilot(layer, union)
-    pinned, cached, missing = self.tiers.lookup(layer, union)
+    pinned, cached, missing = self.tiers.lookup(layer, owned)
     futures = {}
     for e in missing:  # every miss dispatched up front
       fut = pf.take(layer, e)
@@ -257,11 +255,9 @@ class TieredProvider:
     for j, step in enumerate(steps):
       mine = lambda experts: [e for e in experts if e in step.pairs]
       parts = []  # (active [T, K], terms), merged over the misses' terms
-      on_mesh = None  # the pinned (active, terms) on a mesh, merged last
       miss_terms = np.zeros((*step.ids.shape, step.x.shape[1]), np.float32)  # [T, K, D]
-      if mine(pinned) and self.mesh is not None:  # each owner over its own pool (shard_map)
-        on_mesh = self.mesh_terms(step, dev, mine(pinned))
-      elif mine(pinned):  # the device kernel over the pin pool (CPU-only: the CPU kernel)
+      if mine(pinned) and self.mesh is None:  # on a mesh: by their owners, in `mesh_terms`
+        # the device kernel over the pin pool (CPU-only: the CPU kernel)
         parts.append(self.pool_terms(step, dev.pool, dev.slot_of, mine(pinned),
                                       "cpu" if place.on_cpu else self.kernel))
       if mine(cached) and not upload:  # the CPU kernel over the host slab, one call
@@ -291,10 +287,8 @@ class TieredProvider:
       out = jnp.asarray(miss_terms)
       for active, terms in parts:
         out = merge_terms(jnp.asarray(active), terms, out)
-      if self.mesh is not None:  # the host's terms replicated onto the mesh, then the pinned
-        out = jax.device_put(out, replicated(self.mesh))
-        if on_mesh is not None:
-          out = merge_terms(put(on_mesh[0], replicated(self.mesh)), on_mesh[1], out)
+      if self.mesh is not None:  # every owner's terms: pinned on its devices, host-held here
+        out = self.mesh_terms(step, dev, mine(pinned), np.asarray(out))
       if self.stage_s is not None and j == len(steps) - 1:  # less what it waited for reads
         self.stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
         self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0
@@ -321,14 +315,14 @@ class TieredProvider:
     terms = pool_terms_step(x, pool, slots, active, kernel=kernel)
     return active, terms
 
-  def mesh_terms(self, step: LayerStep, pins: MeshPins, experts):
-    """(active `[T, K]`, terms) of pinned `experts` on a mesh: each computed by its owner."""
-    active, slots = step.slot_grid(experts, pins.global_slot)
-    rep = replicated(self.mesh)
+  def mesh_terms(self, step: LayerStep, pins: MeshPins | None, experts, host_terms):
+    """The terms `[T, K, D]` on a mesh, replicated: the pinned `experts` computed by their
+    owners' devices, `host_terms` (this process's host-held pairs, zero elsewhere) added in by
+    the one psum over `expert` (`Ownership.combine`). Every process calls it once per chunk."""
     kernel = "cpu" if self.placement.on_cpu else self.kernel
-    terms = sharded_pool_terms(put(step.x, rep), put(slots, rep), put(active, rep), pins.pool(),
-                               mesh=self.mesh, kernel=kernel)
-    return active, terms
+    pinned = None if pins is None else (pins.pool(),
+                                        lambda d: pins.slot_grid(d, step, experts))
+    return self.owners.combine(step.x, host_terms, pinned, kernel)
 
 
   def next_moe(self, layer: int) -> int | None:

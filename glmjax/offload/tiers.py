@@ -215,7 +215,9 @@ def gather_slot(pool: ExpertPool, slot: int) -> ExpertWeights:
 
 
 def cpu_device():
-  return jax.devices("cpu")[0]
+  """This process's first CPU device (with several processes `jax.devices("cpu")[0]` is
+  process 0's, which no other process can address)."""
+  return jax.local_devices(backend="cpu")[0]
 
 
 class DevicePool(PinSlots):
@@ -268,50 +270,62 @@ def as_device_pool(weights: list[ExpertWeights]) -> ExpertPool:
 
 
 class MeshPins:
-  """One MoE layer's pin tier on a mesh: a DevicePool per device of the `expert` axis, each
-  holding only experts that device owns (expert e belongs to block e // (E/n), the plan's
-  contiguous split). The pools share one `[E]` table row (an expert's slot in its owner's pool).
-  The pinned terms run on the mesh over the pools assembled, without a copy, into one pool
-  `[n·S, ...]` split along `expert` (device d holds global slots d·S .. d·S+S-1)."""
+  """One MoE layer's pin tier on a mesh: a DevicePool per index of the `expert` axis that this
+  process's devices hold (`local`; every index in one process), each holding only experts that
+  index owns (expert e belongs to index e // (E/n), the plan's contiguous split). The pools
+  share one `[E]` table row (an expert's slot in its owner's pool). The pinned terms run on the
+  mesh over the pools assembled, without a copy, into one pool `[n·S, ...]` split along
+  `expert` (index d holds global slots d·S .. d·S+S-1; each process gives its own blocks)."""
 
-  def __init__(self, layer: int, slots: int, layout, mesh, n_experts: int, table: np.ndarray):
+  def __init__(self, layer: int, slots: int, layout, mesh, n_experts: int, table: np.ndarray,
+               local: list[int] | None = None):
     self.layer, self.slots, self.mesh = layer, slots, mesh
     n = axis_size(mesh, "expert")
     self.block = n_experts // n
     ax = mesh.axis_names.index("expert")
-    self.shards = []
-    for d in range(n):  # the devices at expert index d hold pool d (replicated over other axes)
+    self.shards: list[DevicePool | None] = [None] * n  # None: another process's index
+    for d in range(n) if local is None else local:
+      # the devices at expert index d hold pool d (replicated over other axes)
       sub = Mesh(np.take(mesh.devices, [d], axis=ax), mesh.axis_names)
       pool = jax.device_put(empty_pool(layout, slots), NamedSharding(sub, P()))
-      self.shards.append(DevicePool(layer, slots, pool, table))
+      self.shards[d] = DevicePool(layer, slots, pool, table)
 
   def owner(self, e: int) -> int:
     """The device index (along `expert`) that owns expert `e`."""
     return e // self.block
 
-  def shard(self, e: int) -> DevicePool:
+  def shard(self, e: int) -> DevicePool | None:
+    """The pool of `e`'s owner, or None when another process owns it."""
     return self.shards[self.owner(e)]
 
   def __contains__(self, e: int) -> bool:
-    return e in self.shard(e)
+    shard = self.shard(e)
+    return shard is not None and e in shard
 
-  def global_slot(self, e: int) -> int:
-    return self.owner(e) * self.slots + self.shard(e).slot_of[e]
+  @property
+  def local(self) -> list[int]:
+    return [d for d, s in enumerate(self.shards) if s is not None]
 
   @property
   def expert_in(self) -> list:
-    return [e for d in self.shards for e in d.expert_in]
+    return [e for d in self.local for e in self.shards[d].expert_in]
+
+  def slot_grid(self, d: int, step, experts) -> tuple[np.ndarray, np.ndarray]:
+    """(active `[T, K]`, local slots `[T, K]`) of the pairs of `experts` pinned at index `d`."""
+    return step.slot_grid([e for e in experts if self.owner(e) == d],
+                          self.shards[d].slot_of.__getitem__)
 
   def pool(self) -> ExpertPool:
     """The shards' pools as one pool `[n·S, ...]` split along `expert` (no copy; rebuilt per
-    step, since an install donates a shard's buffers)."""
+    step, since an install donates a shard's buffers). Each process gives its own shards."""
     sharding = NamedSharding(self.mesh, P("expert"))
+    n = len(self.shards)
 
     def whole(*leaves):
       arrays = [s.data for leaf in leaves for s in leaf.addressable_shards]
       return jax.make_array_from_single_device_arrays(
-          (len(leaves) * leaves[0].shape[0], *leaves[0].shape[1:]), sharding, arrays)
-    return jax.tree_util.tree_map(whole, *[d.pool for d in self.shards])
+          (n * leaves[0].shape[0], *leaves[0].shape[1:]), sharding, arrays)
+    return jax.tree_util.tree_map(whole, *[self.shards[d].pool for d in self.local])
 
 
 class Tiers(TierRules):
@@ -326,6 +340,8 @@ class Tiers(TierRules):
     super().__init__(device, host, heat, chunk_bytes, stats)
     self.device, self.slabs, self.pin_tables = device, slabs, pin_tables
     self.on_evict = lambda keys: None
+    # [E] bool: the experts this process owns (`owners.Ownership`; all of them in one process)
+    self.owned = np.ones(pin_tables.shape[1], bool)
 
   def pin_pool(self, layer: int, e: int) -> DevicePool | None:
     """The pool that may hold expert `e` of `layer` (on a mesh: its owner's), or None."""
@@ -348,8 +364,10 @@ class Tiers(TierRules):
       self.slabs.store(key, blob)
 
   def all_cached(self, layers) -> bool:
-    """Every routed expert of `layers` is held by a tier: no step can miss."""
-    return bool(((self.pin_tables[layers] >= 0) | (self.slabs.tables[layers] >= 0)).all())
+    """Every routed expert of `layers` that this process owns is held by a tier: no step can
+    miss."""
+    held = (self.pin_tables[layers] >= 0) | (self.slabs.tables[layers] >= 0)
+    return bool((held | ~self.owned).all())
 
   # -- TierRules' storage hooks: `data` is (the misses' chunks, their unpacked weights) ---------
   def insert_host(self, key, protect, data) -> None:
@@ -361,8 +379,7 @@ class Tiers(TierRules):
   def pin_groups(self, layer: int, candidates) -> list:
     dev = self.device.get(layer)
     if isinstance(dev, MeshPins):  # each device's pool admits only experts it owns
-      return [(shard, [e for e in candidates if dev.owner(e) == d])
-              for d, shard in enumerate(dev.shards)]
+      return [(dev.shards[d], [e for e in candidates if dev.owner(e) == d]) for d in dev.local]
     return super().pin_groups(layer, candidates)
 
   def install(self, pool: DevicePool, layer: int, e: int, slot: int, data) -> None:
