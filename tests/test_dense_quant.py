@@ -264,7 +264,7 @@ def test_mtp_own_head_follows_the_head_recipe(tmp_path):
 
 _MESH_RUN = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 import numpy as np, glmjax
 from glmjax import sharding
 path = sys.argv[1]

@@ -16,7 +16,7 @@ from conftest import ROOT
 
 _SCRIPT = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 import jax, numpy as np, glmjax
 from glmjax import sharding
 from jax.sharding import Mesh
