@@ -100,3 +100,51 @@ class Accumulator:
   def tokens(self) -> int:
     """Routed (token, expert) pairs seen so far in the first MoE layer, over top-k."""
     return int(self.sums["count"][0].sum()) if self.sums else 0
+
+
+def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, seq: int = 512,
+              gram: bool | None = None, progress: bool = True) -> tuple[dict, dict]:
+  """Runs `model` (a resident `glmjax.Model`: float checkpoint or expert store) teacher-forced
+  over `texts` (each one sequence, cut into rows of `seq`; `max_tokens` positions at most,
+  0 = all) in batches of `batch` rows. Returns (float64 sums `[L, E, ...]`, meta).
+  `gram=None` keeps the Gram matrices when they fit `formats.calibration.GRAM_LIMIT`."""
+  from tqdm import tqdm
+  from glmjax.errors import InputError
+  from glmjax.formats import calibration, corpus
+  if model.offloaded:
+    raise InputError(f"{model.path}: its experts do not all fit in memory; calibration runs the "
+                     "resident jitted forward (a layer-by-layer pass is not built)")
+  if model.tokenizer is None:
+    raise InputError(f"{model.path}: no tokenizer.json; a text corpus needs one")
+  cfg = model.config
+  moe_layers = model.moe_layers
+  size = calibration.gram_bytes(len(moe_layers), cfg.n_routed_experts, cfg.hidden_size,
+                                cfg.moe_intermediate_size)
+  gram = size <= calibration.GRAM_LIMIT if gram is None else gram
+  sequences, total = [], 0
+  for t in texts:  # only as much of the corpus as is read
+    if max_tokens and total >= max_tokens:
+      break
+    sequences.append(np.asarray(model.tokenizer.encode(t), np.int32))
+    total += len(sequences[-1])
+  n = min(total, max_tokens) if max_tokens else total
+  rows = list(corpus.rows_of(sequences, seq, n))
+  put = model.runner.put
+  acc = Accumulator()
+  with tqdm(total=n, unit="tok", unit_scale=True, desc="calibrating", disable=not progress) as bar:
+    for b in range(0, len(rows), batch):
+      group = rows[b:b + batch]
+      toks = np.zeros((batch, seq), np.int32)
+      valid = np.zeros(batch, np.int32)
+      for r, (row, length, _) in enumerate(group):
+        toks[r], valid[r] = row, length
+      acc.add(stats_fn(model.weights, put(toks), put(valid), put(0, jnp.int32), cfg=cfg,
+                       gram=gram, kernel=model.options.moe_kernel))
+      bar.update(int(valid.sum()))
+  count = acc.sums["count"]
+  meta = {"tokens": n, "max_tokens": max_tokens, "batch": batch, "seq": seq, "gram": gram,
+          "moe_layers": moe_layers, "n_experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,
+          "intermediate": cfg.moe_intermediate_size, "min_tokens": calibration.MIN_TOKENS,
+          "fallback_experts": int((count < calibration.MIN_TOKENS).sum()),
+          "min_expert_tokens": int(count.min())}
+  return acc.sums, meta
