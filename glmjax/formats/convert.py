@@ -45,10 +45,11 @@ class _Progress:
     self.lock = threading.Lock()
     self.done, self.dense = set(), {}
     old = self._read(dst) if os.path.exists(self.path) else None
-    if old is not None and old.get("calibration") != settings.get("calibration"):
-      raise InputError(f"{dst}: holds an interrupted conversion calibrated with other "
-                       f"statistics ({old.get('calibration')}); resume with the same "
-                       "--quant and --calibration, or use another --dst")
+    calibrated = lambda d: (d.get("method", "rtn"), d.get("calibration"))
+    if old is not None and calibrated(old) != calibrated(settings):
+      raise InputError(f"{dst}: holds an interrupted conversion quantized by other method or "
+                       f"statistics ({calibrated(old)}); resume with the same --quant and "
+                       "--calibration, or use another --dst")
     if old is not None and old != settings:
       raise CheckpointError(f"{dst}: holds an interrupted conversion with different settings "
                             f"({old}); use another --dst or delete it")
