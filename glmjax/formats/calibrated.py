@@ -79,10 +79,8 @@ def quantize_weighted(w: np.ndarray, importance: np.ndarray, bits: int = 4,
   a = _grouped(np.asarray(importance, np.float64)[None], group_size)[0]  # [n_groups, g]
   wg = _grouped(w, group_size)  # [O, n_groups, g]
   cands = candidate_scales(wg, bits)  # [C, O, n_groups]
-  errs = np.stack([(a * (wg - s[..., None] * _codes(wg, s[..., None], bits)) ** 2).sum(-1)
-                   for s in cands])  # [C, O, n_groups]
-  best = np.argmin(errs, 0)  # the first of equals: round-to-nearest's scale wins ties
-  s = np.take_along_axis(cands, best[None], 0)[0]
+  from glmjax.formats.scale_search import best_scales  # numba: imported on first use
+  s = best_scales(wg, a, np.ascontiguousarray(cands), float(QMIN[bits]), float(QMAX[bits]))
   q = _codes(wg, s[..., None], bits).reshape(o, -1)
   return _pack(q, s, bits, group_size, k)
 

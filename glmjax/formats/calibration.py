@@ -36,7 +36,10 @@ METHODS = ("rtn", "imatrix", "gptq")
 # (75 × 256 × (6144² + 2048²) × 8 = 6.4 TB), where gptq needs a layer-by-layer pass.
 GRAM_LIMIT = 2 << 30
 MIN_TOKENS = 64  # one group's worth of inputs: fewer, and the layer's pooled statistics serve
-GPTQ_DAMP = 0.01  # × the mean diagonal of the Hessian
+GPTQ_DAMP = 0.01  # × the mean diagonal of the Hessian (0.001 and 0.1 measured no better)
+# Columns quantized by decreasing diag(H) (static groups keep the format): measured better on
+# the embedded model (BUILD_NOTES §21 table)
+GPTQ_ACT_ORDER = True
 
 
 def gram_bytes(n_layers: int, n_experts: int, hidden: int, intermediate: int) -> int:
@@ -140,5 +143,7 @@ def quantize_matrix(w: np.ndarray, method: str, stats: dict, part: str, bits: in
   if method == "imatrix":
     return calibrated.quantize_weighted(w, stats[part + "_sq"], bits, group_size)
   if method == "gptq":
-    return calibrated.quantize_gptq(w, stats[part + "_gram"], bits, group_size, damp=GPTQ_DAMP)
+    h = stats[part + "_gram"]
+    return calibrated.quantize_gptq(w, h, bits, group_size, damp=GPTQ_DAMP,
+                                    order=calibrated.act_order(h) if GPTQ_ACT_ORDER else None)
   raise InputError(f"quant must be one of {METHODS}, got {method!r}")
