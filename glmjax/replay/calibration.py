@@ -30,8 +30,6 @@ from pallas_kernels.xla import take_experts
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
-SUMS = ("count", "gate_up_sq", "down_sq")
-GRAMS = ("gate_up_gram", "down_gram")
 
 
 def expert_weights(experts, e):
@@ -95,11 +93,6 @@ class Accumulator:
     for k, v in batch.items():
       v = np.asarray(v, np.float64)
       self.sums[k] = v if k not in self.sums else self.sums[k] + v
-
-  @property
-  def tokens(self) -> int:
-    """Routed (token, expert) pairs seen so far in the first MoE layer, over top-k."""
-    return int(self.sums["count"][0].sum()) if self.sums else 0
 
 
 def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, seq: int = 512,
