@@ -55,7 +55,8 @@ def main(argv):
     with glmjax.load(FLAGS.model, progress=False) as model:
       sums, meta = calibrate(model, texts, FLAGS.max_tokens, FLAGS.batch, FLAGS.seq,
                              gram={"auto": None, "on": True, "off": False}[FLAGS.gram])
-      meta.update(model=os.path.abspath(model.path), corpus=FLAGS.corpus or "embedded training split",
+      meta.update(model=os.path.abspath(model.path),
+                  corpus=FLAGS.corpus or "embedded training split",
                   quantized_model=store.is_store(model.path))
     meta = calibration.save(FLAGS.out, sums, meta)
   except glmjax.GlmjaxError as e:

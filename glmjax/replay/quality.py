@@ -30,8 +30,8 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
   log-probabilities `[S, V]` per sequence."""
   kls = [(np.exp(r) * (r - g)).sum(-1) for r, g in zip(ref, got)]
   agree = np.concatenate([r.argmax(-1) == g.argmax(-1) for r, g in zip(ref, got)])
-  return {"kl": float(np.concatenate(kls).mean()), "kl_per_sequence": [float(k.mean()) for k in kls],
-          "top1_agreement": float(agree.mean())}
+  return {"kl": float(np.concatenate(kls).mean()),
+          "kl_per_sequence": [float(k.mean()) for k in kls], "top1_agreement": float(agree.mean())}
 
 
 def scores(weights, cfg, sequences: list[np.ndarray], kernel: str = "auto") -> list[np.ndarray]:
