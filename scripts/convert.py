@@ -30,6 +30,12 @@ flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
                   "--dense_dtype.")
 flags.DEFINE_integer("dense_group_size", 64, "Input features per scale of quantized dense "
                      "weights.", lower_bound=2)
+flags.DEFINE_enum("quant", "rtn", ["rtn", "imatrix", "gptq"],
+                  "How routed experts are quantized (same store format): round-to-nearest, or "
+                  "calibrated with --calibration statistics (scripts/calibrate.py): imatrix "
+                  "(importance-weighted scale search) or gptq (error compensation).")
+flags.DEFINE_string("calibration", None, "Statistics directory from scripts/calibrate.py "
+                    "(needed by --quant=imatrix|gptq).")
 flags.DEFINE_integer("workers", 4, "Threads quantizing experts in parallel.", lower_bound=1)
 
 
@@ -45,7 +51,8 @@ def main(argv):
   try:
     m = convert(FLAGS.src, FLAGS.dst, expert_bits=int(FLAGS.expert_bits), group_size=FLAGS.group_size,
                 mtp_bits=int(FLAGS.mtp_bits), dense_dtype=FLAGS.dense_dtype, workers=FLAGS.workers,
-                dense_bits=int(FLAGS.dense_bits), dense_group_size=FLAGS.dense_group_size)
+                dense_bits=int(FLAGS.dense_bits), dense_group_size=FLAGS.dense_group_size,
+                quant=FLAGS.quant, calibration=FLAGS.calibration)
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -47,42 +47,11 @@ flags.mark_flag_as_required("out")
 
 
 def corpus_texts(path: str | None) -> list[tuple[str, str]]:
-  """(name, text) of each corpus file, in a fixed order."""
+  """(name, text) of each corpus file, in a fixed order (default: the held-out stdlib files)."""
   from glmjax.formats import corpus
-  from glmjax.errors import InputError
   if path is None:
     return [(rel, corpus.read(rel)) for rel in corpus.split()[1]]
-  if os.path.isfile(path):
-    files = [path]
-  elif os.path.isdir(path):
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-  else:
-    raise InputError(f"--corpus {path}: no such file or directory")
-  out = []
-  for f in files:
-    try:
-      with open(f, encoding="utf-8") as fh:
-        out.append((f, fh.read()))
-    except UnicodeDecodeError:
-      continue  # not text
-  if not out:
-    raise InputError(f"--corpus {path}: no UTF-8 text files")
-  return out
-
-
-def rows_of(sequences: list[np.ndarray], seq: int, limit: int):
-  """(tokens [seq] padded with 0, real length, last row of its sequence) in order, `limit`
-  positions at most."""
-  left = limit or sum(len(s) for s in sequences)
-  for ids in sequences:
-    for start in range(0, len(ids), seq):
-      if left <= 0:
-        return
-      chunk = ids[start:start + seq][:left]
-      row = np.zeros(seq, np.int32)
-      row[:len(chunk)] = chunk
-      left -= len(chunk)
-      yield row, len(chunk), start + seq >= len(ids) or left <= 0
+  return corpus.texts_at(path)
 
 
 def main(argv):
@@ -92,6 +61,7 @@ def main(argv):
   from tqdm import tqdm
   from glmjax.model.forward import RecordOptions
   from glmjax.replay import record
+  from glmjax.formats import corpus
   from glmjax.reporting import persistent_compile_cache
   persistent_compile_cache()  # a second replay of the same shapes starts without compiling
   try:
@@ -121,7 +91,7 @@ def main(argv):
                              source="replay", batch=FLAGS.batch, seq=FLAGS.seq,
                              corpus=FLAGS.corpus or "held-out stdlib")
       e = model.config.n_routed_experts
-      rows = list(rows_of(sequences, FLAGS.seq, n))
+      rows = list(corpus.rows_of(sequences, FLAGS.seq, n))
       groups = [rows[b:b + FLAGS.batch] for b in range(0, len(rows), FLAGS.batch)]
 
       def dispatch(group):  # the next batch's records start computing before this one is saved

@@ -56,19 +56,21 @@ def test_weighted_scales_minimise_the_weighted_error(bits):
     assert got.packed.size and np.any((np.asarray(got.packed) & 15) == 0)
 
 
-def _textbook_gptq(w, h, scales, bits, damp):
+def _textbook_gptq(w, h, scales, bits, damp, perm=None):
   """Algorithm 1 of the GPTQ paper, one column at a time, all later columns updated each
-  time, float64, with the given static group scales."""
-  w = w.astype(np.float64).copy()
+  time, float64, with the given static group scales; columns in the order `perm` (codes
+  returned in that order)."""
+  perm = np.arange(w.shape[1]) if perm is None else perm
+  w = w[:, perm].astype(np.float64)
   k = w.shape[1]
-  h = h.astype(np.float64).copy()
+  h = h[np.ix_(perm, perm)].astype(np.float64)
   h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
   u = np.linalg.cholesky(np.linalg.inv(h)).T
   qmax, qmin = (7, -8) if bits == 4 else (127, -127)
   codes = np.zeros_like(w)
   for j in range(k):
     for r in range(w.shape[0]):
-      s = scales[r, j // G]
+      s = scales[r, perm[j] // G]
       codes[r, j] = 0.0 if s == 0 else min(max(round(w[r, j] / s), qmin), qmax)
       e = (w[r, j] - codes[r, j] * s) / u[j, j]
       for c in range(j + 1, k):
@@ -91,3 +93,23 @@ def test_gptq_equals_the_textbook_loop_and_beats_round_to_nearest():
   np.testing.assert_array_equal(w_hat, codes * np.repeat(scales, G, axis=1))
   out_err = lambda v: float(np.trace((w - v) @ h @ (w - v).T))  # the layer output's error
   assert out_err(w_hat) < 0.8 * out_err(_decode(quantize(w, 4, G)))
+
+
+def test_gptq_act_order_keeps_static_groups_and_equals_the_textbook_loop():
+  """Columns quantized by decreasing diag(H), each with its own group's scale: the codes
+  equal the textbook loop run in that order, and the stored groups are the usual ones."""
+  rng = np.random.default_rng(2)
+  k = 2 * G + 20  # a partial last group
+  x = rng.standard_normal((400, k)) * np.exp(rng.standard_normal(k)) @ (
+      np.eye(k) + 0.2 * rng.standard_normal((k, k)))
+  h = x.T @ x
+  w = rng.standard_normal((4, k))
+  perm = calibrated.act_order(h)
+  assert not np.array_equal(perm, np.arange(k))
+  got = calibrated.quantize_gptq(w, h, 4, G, damp=0.01, block=40, order=perm)
+  scales = np.asarray(got.scales, np.float64)
+  np.testing.assert_array_equal(
+      scales, np.asarray(calibrated.quantize_weighted(w, np.diag(h), 4, G).scales, np.float64))
+  codes = np.zeros_like(w)
+  codes[:, perm] = _textbook_gptq(w, h, scales, 4, 0.01, perm)
+  np.testing.assert_array_equal(_decode(got), codes * np.repeat(scales, G, axis=1)[:, :k])

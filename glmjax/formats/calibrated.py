@@ -79,20 +79,29 @@ def quantize_weighted(w: np.ndarray, importance: np.ndarray, bits: int = 4,
   a = _grouped(np.asarray(importance, np.float64)[None], group_size)[0]  # [n_groups, g]
   wg = _grouped(w, group_size)  # [O, n_groups, g]
   cands = candidate_scales(wg, bits)  # [C, O, n_groups]
-  errs = np.stack([(a * (wg - s[..., None] * _codes(wg, s[..., None], bits)) ** 2).sum(-1)
-                   for s in cands])  # [C, O, n_groups]
-  best = np.argmin(errs, 0)  # the first of equals: round-to-nearest's scale wins ties
-  s = np.take_along_axis(cands, best[None], 0)[0]
+  from glmjax.formats.scale_search import best_scales  # numba: imported on first use
+  s = best_scales(wg, a, np.ascontiguousarray(cands), float(QMIN[bits]), float(QMAX[bits]))
   q = _codes(wg, s[..., None], bits).reshape(o, -1)
   return _pack(q, s, bits, group_size, k)
 
 
+def act_order(hessian: np.ndarray) -> np.ndarray:
+  """GPTQ's "act-order": input channels by decreasing diag(H) (stable), the order in which
+  the columns are quantized."""
+  return np.argsort(-np.diag(np.asarray(hessian, np.float64)), kind="stable")
+
+
 def quantize_gptq(w: np.ndarray, hessian: np.ndarray, bits: int = 4, group_size: int = 64,
-                  damp: float = 0.01, block: int = 128) -> QArray:
+                  damp: float = 0.01, block: int = 128, order: np.ndarray | None = None
+                  ) -> QArray:
   """`w [O, K]` quantized column by column with GPTQ's error compensation under the
   calibration Hessian `hessian [K, K]` (XᵀX over calibration inputs), static groups (scales
   from the unmodified weights, importance = diag(H)), dampening `damp` × mean diag(H).
-  Dead input channels (zero diagonal) get weight 0 and a unit diagonal, as GPTQ does."""
+  Dead input channels (zero diagonal) get weight 0 and a unit diagonal, as GPTQ does.
+
+  `order` (a permutation of the K columns, e.g. `act_order(H)`) is the order the columns are
+  quantized in; each column keeps its own group's static scale, so the stored format (groups
+  of consecutive input channels) is the same whatever the order."""
   check_bits_group(bits, group_size)
   w = np.array(w, np.float64)
   o, k = w.shape
@@ -102,17 +111,22 @@ def quantize_gptq(w: np.ndarray, hessian: np.ndarray, bits: int = 4, group_size:
   w[:, dead] = 0.0
   scales = np.asarray(quantize_weighted(w, np.diag(h), bits, group_size).scales, np.float64)
   h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+  perm = np.arange(k) if order is None else np.asarray(order)
+  w, h = w[:, perm], h[np.ix_(perm, perm)]  # columns in quantization order
+  col_scales = scales[:, perm // group_size]  # [O, K] each column's static group scale
   hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: row j holds the update for column j
   q = np.zeros((o, k))
   for b0 in range(0, k, block):
     b1 = min(b0 + block, k)
     err = np.zeros((o, b1 - b0))
     for j in range(b0, b1):
-      s = scales[:, j // group_size]
+      s = col_scales[:, j]
       q[:, j] = _codes(w[:, j], s, bits)
       e = (w[:, j] - q[:, j] * s) / hinv[j, j]
       w[:, j + 1:b1] -= np.outer(e, hinv[j, j + 1:b1])
       err[:, j - b0] = e
     w[:, b1:] -= err @ hinv[b0:b1, b1:]  # the block's errors onto every later column at once
   kp = scales.shape[1] * group_size
-  return _pack(np.pad(q, ((0, 0), (0, kp - k))), scales, bits, group_size, k)
+  codes = np.zeros((o, kp))
+  codes[:, perm] = q
+  return _pack(codes, scales, bits, group_size, k)

@@ -18,11 +18,12 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.formats import store
+from glmjax.formats.calibration import METHODS, Calibration, quantize_matrix
 from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names,
                                       fp8_block_size, plan, read_float, require_finite)
 from glmjax.formats.quantize import quantize, quantize_into
 from glmjax.model.config import Config
-from glmjax.errors import CheckpointError
+from glmjax.errors import CheckpointError, InputError
 from glmjax.model.weights import DENSE_BITS, MoE, dense_format, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
@@ -44,6 +45,11 @@ class _Progress:
     self.lock = threading.Lock()
     self.done, self.dense = set(), {}
     old = self._read(dst) if os.path.exists(self.path) else None
+    calibrated = lambda d: (d.get("method", "rtn"), d.get("calibration"))
+    if old is not None and calibrated(old) != calibrated(settings):
+      raise InputError(f"{dst}: holds an interrupted conversion quantized by other method or "
+                       f"statistics ({calibrated(old)}); resume with the same --quant and "
+                       "--calibration, or use another --dst")
     if old is not None and old != settings:
       raise CheckpointError(f"{dst}: holds an interrupted conversion with different settings "
                             f"({old}); use another --dst or delete it")
@@ -115,11 +121,15 @@ def _writable(dst: str) -> None:
 
 def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_bits: int = 8,
             dense_dtype: str = "bfloat16", workers: int = 4, progress: bool = True,
-            dense_bits: int = 0, dense_group_size: int = 64) -> dict:
+            dense_bits: int = 0, dense_group_size: int = 64, quant: str = "rtn",
+            calibration: str | None = None) -> dict:
   """Converts the HF checkpoint at `src` into a store at `dst`; returns the manifest.
 
   `dense_bits` 8 or 4 stores the quantizable dense leaves (`ArrayInfo.quantizable`) as
-  group-wise QArrays of `dense_group_size`; the other dense leaves stay in `dense_dtype`."""
+  group-wise QArrays of `dense_group_size`; the other dense leaves stay in `dense_dtype`.
+  `quant` "imatrix" or "gptq" quantizes the main model's routed experts with the calibration
+  statistics in directory `calibration` (`formats.calibration`; same store format); the MTP
+  layer's experts stay round-to-nearest."""
   import ml_dtypes
   import tensorstore as ts
 
@@ -143,8 +153,14 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     ckpt.info(name)
   block = fp8_block_size(src)
   tree = dense_format(plan(ckpt, cfg), dense_bits, dense_group_size)
+  moe_layers = [i for i, l in enumerate(tree.layers) if isinstance(l.mlp, MoE)]
+  calib = _calibration(quant, calibration, moe_layers, cfg)
+  calibrated = ({"method": quant, "calibration": calib.sha256} if calib is not None else {})
   if os.path.exists(os.path.join(dst, store.MANIFEST)):
     manifest = store.read_manifest(dst)
+    done = {k: manifest["quant"].get(k) for k in ("method", "calibration")}
+    if done != {"method": calibrated.get("method"), "calibration": calibrated.get("calibration")}:
+      raise InputError(f"{dst}: a complete store quantized with {done}, not {calibrated or 'rtn'}")
     if progress:
       print(f"{dst}: already a complete store; nothing to do")
     return manifest
@@ -156,7 +172,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   dense_quant = ({"dense_bits": dense_bits, "dense_group_size": dense_group_size} if dense_bits
                  else {})
   settings = {"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
-              "dense_dtype": dense_dtype, **dense_quant, "source_config": raw_config}
+              "dense_dtype": dense_dtype, **dense_quant, **calibrated, "source_config": raw_config}
   prog = _Progress(dst, settings)
 
   def read(name):
@@ -166,7 +182,6 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     return read_float(ckpt, name, block, out=out)
 
   # Work list and byte totals for the progress bar.
-  moe_layers = [i for i, l in enumerate(tree.layers) if isinstance(l.mlp, MoE)]
   mtp_layers = [cfg.num_hidden_layers + j for j in range(len(tree.mtp))]
   groups = {"main": (moe_layers, expert_bits)}
   if mtp_layers:
@@ -205,10 +220,11 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
         if item in prog.done:
           bar.update(nbytes)
         else:
-          jobs.append((arr[row, e], layout, info, e, item, nbytes))
+          jobs.append((arr[row, e], layout, info, e, item, nbytes,
+                       calib.expert(layer, e) if calib is not None and gname == "main" else None))
 
-  def work(cell, layout, info, e, item, nbytes):
-    cell.write(_expert_chunk(layout, info, ckpt, read_raw, e)).result()
+  def work(cell, layout, info, e, item, nbytes, stats):
+    cell.write(_expert_chunk(layout, info, ckpt, read_raw, e, quant, stats)).result()
     return item, nbytes
 
   workers = max(1, workers)
@@ -229,10 +245,14 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
     json.dump(out_config, f, indent=2)
 
+  if calib is not None:
+    calibrated["fallback_experts"] = len(calib.fallbacks())
   manifest = store.write_manifest(
       dst, quant={"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
-                  "scheme": "symmetric group-wise, bf16 scales, round-to-nearest",
-                  "dense_dtype": dense_dtype, **dense_quant},
+                  "scheme": "symmetric group-wise, bf16 scales, " + (
+                      f"{quant}-calibrated routed experts" if calib is not None
+                      else "round-to-nearest"),
+                  "dense_dtype": dense_dtype, **dense_quant, **calibrated},
       source={"path": os.path.abspath(src), "fp8_block_size": block}, source_config=out_config,
       moe_layers=moe_layers, mtp_layers=mtp_layers,
       mtp_has_head=bool(tree.mtp) and tree.mtp[0].head is not None, experts=group_meta,
@@ -299,12 +319,28 @@ def _buffer(key, nbytes: int) -> np.ndarray:
   return bufs[key]
 
 
-def _expert_chunk(layout: store.ExpertLayout, info, ckpt: HFCheckpoint, read, e: int
-                  ) -> np.ndarray:
+def _calibration(quant: str, path: str | None, moe_layers, cfg: Config):
+  """The checked statistics for a calibrated `quant` (None for "rtn")."""
+  if quant not in METHODS:
+    raise InputError(f"quant must be one of {METHODS}, got {quant!r}")
+  if quant == "rtn":
+    if path is not None:
+      raise InputError("--calibration is only used by --quant=imatrix or gptq")
+    return None
+  if path is None:
+    raise InputError(f"--quant={quant} needs --calibration=STATS (scripts/calibrate.py)")
+  calib = Calibration(path)
+  calib.check(moe_layers, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, quant)
+  return calib
+
+
+def _expert_chunk(layout: store.ExpertLayout, info, ckpt: HFCheckpoint, read, e: int,
+                  quant: str = "rtn", stats: dict | None = None) -> np.ndarray:
   """The chunk bytes of expert `e`: each source matrix is read into a reused buffer and
   quantized straight into its rows of the chunk (no fused gate_up copy, no per-field arrays to
   pack afterwards). The chunk is this thread's buffer: valid until its next call. Its
-  alignment gaps are never written, so they stay zero."""
+  alignment gaps are never written, so they stay zero. With `stats` (the expert's calibration
+  statistics) the matrices are quantized by `quant` instead of round-to-nearest."""
   blob = _buffer(("chunk", layout), layout.nbytes)[:layout.nbytes]
   fields = {f.name: f for f in layout.fields}
 
@@ -323,7 +359,11 @@ def _expert_chunk(layout: store.ExpertLayout, info, ckpt: HFCheckpoint, read, e:
         raise CheckpointError(f"{ckpt.path}: tensor {name}: shape {tuple(a.shape)}, expected "
                               f"{want} for this config")
       part = slice(j * rows, (j + 1) * rows)
-      if quantize_into(a, layout.bits, layout.group_size, packed[part], scales[part]):
+      if stats is not None:
+        require_finite(a, ckpt.path, name)
+        q = quantize_matrix(a, quant, stats, key, layout.bits, layout.group_size)
+        packed[part], scales[part] = q.packed, q.scales
+      elif quantize_into(a, layout.bits, layout.group_size, packed[part], scales[part]):
         require_finite(a, ckpt.path, name)  # raises, naming the tensor
   return blob
 

@@ -65,6 +65,65 @@ def split(root: str | None = None) -> tuple[list[str], list[str]]:
   return train, [f for f in HELD_OUT if f in present]
 
 
+def train_sample(seed: int = 0, root: str | None = None) -> list[str]:
+  """The training split in a fixed shuffled order (calibration reads a prefix of it: the
+  first files of the sorted list are all `_`-prefixed private modules)."""
+  train = split(root)[0]
+  return [train[i] for i in np.random.default_rng(seed).permutation(len(train))]
+
+
+def texts_at(path: str) -> list[tuple[str, str]]:
+  """(name, text) of a user corpus, in a fixed order: a directory of text files (recursively,
+  sorted; files that are not UTF-8 skipped), one text file, or a JSONL file (`.jsonl`: one
+  object per line with a "text" field; name `FILE:LINE`)."""
+  import json
+  from glmjax.errors import InputError
+  if os.path.isfile(path) and path.endswith(".jsonl"):
+    out = []
+    with open(path, encoding="utf-8") as f:
+      for n, line in enumerate(f, 1):
+        if line.strip():
+          try:
+            out.append((f"{path}:{n}", str(json.loads(line)["text"])))
+          except (ValueError, KeyError, TypeError):
+            raise InputError(f"{path}: line {n} is not a JSON object with a \"text\" field"
+                             ) from None
+    if not out:
+      raise InputError(f"--corpus {path}: no texts")
+    return out
+  if os.path.isfile(path):
+    files = [path]
+  elif os.path.isdir(path):
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+  else:
+    raise InputError(f"--corpus {path}: no such file or directory")
+  out = []
+  for f in files:
+    try:
+      with open(f, encoding="utf-8") as fh:
+        out.append((f, fh.read()))
+    except UnicodeDecodeError:
+      continue  # not text
+  if not out:
+    raise InputError(f"--corpus {path}: no UTF-8 text files")
+  return out
+
+
+def rows_of(sequences: Sequence[np.ndarray], seq: int, limit: int):
+  """(tokens [seq] padded with 0, real length, last row of its sequence) in order, `limit`
+  positions at most (0: all): each sequence cut into rows of `seq` tokens."""
+  left = limit or sum(len(s) for s in sequences)
+  for ids in sequences:
+    for start in range(0, len(ids), seq):
+      if left <= 0:
+        return
+      chunk = ids[start:start + seq][:left]
+      row = np.zeros(seq, np.int32)
+      row[:len(chunk)] = chunk
+      left -= len(chunk)
+      yield row, len(chunk), start + seq >= len(ids) or left <= 0
+
+
 REPO_HELD_OUT = ("api.py", "model/attention.py", "formats/checkpoint.py", "model/config.py",
                  "model/layers.py", "model/forward.py", "model/moe.py", "model/weights.py",
                  "decoding/text.py", "decoding/sampling.py")
