@@ -190,3 +190,46 @@ def test_quant_report_is_reproducible(float_model, rtn_store):
   assert row["kl"] > 0 and 0 < row["top1_agreement"] <= 1
   assert sorted(row["layers"]) == [str(i) for i in store.moe_layers]
   assert all(0 < v < 10 * row["kl"] for v in row["layers"].values())
+
+
+def test_readme_two_step_path_as_a_user_runs_it(tmp_path):
+  """calibrate.py, convert.py --quant=imatrix and quant_report.py as subprocesses on the
+  embedded model, default flags but a small JSONL corpus (the default is 65,536 tokens of the
+  training split, minutes here): the statistics' hash reaches the store's manifest, and the
+  report's KL is the one `quality.report` gives in-process for the same sequences."""
+  import os
+  import subprocess
+  import sys
+  from conftest import ROOT
+  from glmjax.formats import corpus, embedded, store as store_mod
+  texts = [t[:3000] for t in (corpus.read(f) for f in corpus.train_sample()[:4]) if t]
+  jsonl = tmp_path / "calib.jsonl"
+  jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  held = tmp_path / "held.jsonl"
+  held.write_text(json.dumps({"text": corpus.read(corpus.HELD_OUT[0])}) + "\n")
+  stats, dst, out = tmp_path / "stats", tmp_path / "store", tmp_path / "q.json"
+
+  def script(name, *args):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+  r = script("calibrate.py", f"--out={stats}", f"--corpus={jsonl}")
+  meta = json.loads((stats / "calibration.json").read_text())
+  assert meta["tokens"] > 0 and f"sha256 {meta['sha256'][:16]}" in r.stdout
+  src = embedded.ensure(progress=False)
+  script("convert.py", f"--src={src}", f"--dst={dst}", "--quant=imatrix",
+         f"--calibration={stats}")
+  quant = store_mod.read_manifest(str(dst))["quant"]
+  assert quant["method"] == "imatrix" and quant["calibration"] == meta["sha256"]
+  # 3,000 characters of 4 files: some expert sees under MIN_TOKENS and takes the pooled rule
+  assert quant["fallback_experts"] == meta["fallback_experts"] >= 1
+  script("quant_report.py", f"--stores={dst}", f"--corpus={held}", "--tokens=128",
+         "--per_layer=false", f"--json={out}")
+  got = json.loads(out.read_text())["stores"][str(dst)]
+  with glmjax.load(src, progress=False) as ref, glmjax.load(str(dst), progress=False) as q:
+    seq = np.asarray(ref.tokenizer.encode(corpus.read(corpus.HELD_OUT[0]))[:128], np.int32)
+    want = quality.report(ref, {"s": q}, [seq], False)["s"]
+  assert got["kl"] == pytest.approx(want["kl"], rel=1e-6) and got["kl"] > 0
+  assert got["top1_agreement"] == want["top1_agreement"]
