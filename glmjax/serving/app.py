@@ -50,20 +50,22 @@ def _error(e: ApiError) -> JSONResponse:
 
 def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
                kv_cache_gb: float | None = None, guard: Guard | None = None,
-               prefix_cache: bool = True):
+               prefix_cache: bool = True, channel=None):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
   `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
   (None: automatic, glmjax.serving.batch.kv_budget), behind `guard` (default: no API key, a
   loopback bind, 8 MB bodies). With `prefix_cache`, requests reuse the KV pages of prompt
-  prefixes already prefilled (glmjax.decoding.prefix). `app.state.scheduler` is its scheduler; call
-  `app.state.scheduler.close()` when done."""
+  prefixes already prefilled (glmjax.decoding.prefix). With `channel`
+  (glmjax.serving.follow.Channel, on process 0 of several) the other processes follow its batch
+  operations. `app.state.scheduler` is its scheduler; call `app.state.scheduler.close()` when
+  done."""
   from glmjax.serving.scheduler import Scheduler
   name = name or model_name(model)
   guard = guard or Guard()
   tok = model.tokenizer
   if tok is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
-  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache)
+  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache, channel)
   gen = sampling.SamplingParams.from_generation_config(tok.generation_config or {})
   defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 

@@ -1,0 +1,93 @@
+"""The server across processes: scripts/serve.py through scripts/launch_local.py, 2 processes × 1
+CPU device, mesh `expert:2`, on a tiny synthetic store of 16 experts per layer that needs
+offload (no device pins, a host cache of two chunks per process). Process 0 answers HTTP, process 1
+follows its batch operations (glmjax.serving.follow). A greedy completion through the `openai`
+SDK gives the tokens of one process's `glmjax.load(store).generate`; stopping the server
+(SIGTERM to the launcher, passed to process 0) ends both processes with status 0.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+import glmjax
+from conftest import ROOT
+
+PROMPT = [5, 6, 7]
+TOKENS = 4
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _healthy(base: str) -> bool:
+  try:
+    with urllib.request.urlopen(base + "/health", timeout=2) as r:
+      return r.status == 200
+  except OSError:
+    return False
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+  from glmjax.formats.synthetic import make_synthetic_store
+  path = str(tmp_path_factory.mktemp("mp_serve") / "tiny")
+  manifest = make_synthetic_store(path, geometry="tiny", moe_layers=2, experts=16, seed=3,
+                                  progress=False)
+  return path, manifest["experts"]["main"]["layout"]["nbytes"]
+
+
+def test_a_completion_on_two_processes_gives_one_process_tokens(store):
+  path, chunk = store
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env.pop("XLA_FLAGS", None)
+  port = _free_port()
+  host_gb = 2.5 * chunk / 2 ** 30  # two chunks per process: most experts are read from the store
+  launch = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
+       "--devices_per_process=1", "--timeout_s=120", "--",
+       os.path.join(ROOT, "scripts", "serve.py"), f"--model={path}", "--mesh=expert:2",
+       "--device_cache_gb=0", f"--host_cache_gb={host_gb}", f"--port={port}",
+       "--max_context=256", "--max_batch=2"],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    with glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=host_gb) as m:
+      ref = m.generate(PROMPT, TOKENS, temperature=0.0)
+      ref_pieces = [m.tokenizer.decode([int(t)]) for t in ref.tokens]
+    base = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 90
+    while not _healthy(base):
+      assert launch.poll() is None, launch.communicate()[1][-3000:]
+      assert time.monotonic() < end, "the 2-process server did not come up"
+      time.sleep(0.2)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    name = client.models.list().data[0].id
+    r = client.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
+                                  logprobs=0)
+    with urllib.request.urlopen(base + "/health", timeout=5) as h:
+      health = json.load(h)
+  finally:
+    launch.send_signal(signal.SIGTERM)  # process 0 stops serving; process 1 follows it out
+    try:
+      out, err = launch.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      launch.kill()
+      out, err = launch.communicate()
+  assert r.choices[0].logprobs.tokens == ref_pieces
+  assert r.choices[0].text == "".join(ref_pieces)
+  assert r.usage.completion_tokens == len(ref.tokens)
+  assert health["completed"] == 1 and health["failed"] == 0
+  assert health["engine"]["expert_misses"] > 0  # the store needs offload: experts were read
+  assert launch.returncode == 0, err[-3000:]
