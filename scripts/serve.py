@@ -121,6 +121,10 @@ def main(argv):
   finally:
     server.state.scheduler.close()
     model.close()
+  if server.state.scheduler.dead:  # e.g. a follower died (PeerError): no shutdown barrier
+    print(f"error: {server.state.scheduler.dead}", file=sys.stderr)
+    distributed.exit_now(1)
+    return 1
   return 0
 
 

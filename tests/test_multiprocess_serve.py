@@ -48,30 +48,65 @@ def store(tmp_path_factory):
   return path, manifest["experts"]["main"]["layout"]["nbytes"]
 
 
-def test_a_completion_on_two_processes_gives_one_process_tokens(store):
-  path, chunk = store
+def _launch(path: str, chunk: int, port: int) -> subprocess.Popen:
+  """scripts/serve.py on 2 processes × 1 device through launch_local.py: no device pins, a
+  host cache of two chunks per process (most experts are read from the store)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
-  port = _free_port()
-  host_gb = 2.5 * chunk / 2 ** 30  # two chunks per process: most experts are read from the store
-  launch = subprocess.Popen(
+  return subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
        "--devices_per_process=1", "--timeout_s=120", "--",
        os.path.join(ROOT, "scripts", "serve.py"), f"--model={path}", "--mesh=expert:2",
-       "--device_cache_gb=0", f"--host_cache_gb={host_gb}", f"--port={port}",
+       "--device_cache_gb=0", f"--host_cache_gb={_host_gb(chunk)}", f"--port={port}",
        "--max_context=256", "--max_batch=2"],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _host_gb(chunk: int) -> float:
+  return 2.5 * chunk / 2 ** 30
+
+
+def _wait_healthy(launch: subprocess.Popen, base: str) -> None:
+  end = time.monotonic() + 90
+  while not _healthy(base):
+    assert launch.poll() is None, launch.communicate()[1][-3000:]
+    assert time.monotonic() < end, "the 2-process server did not come up"
+    time.sleep(0.2)
+
+
+def _stop(launch: subprocess.Popen) -> str:
+  """SIGTERM to the launcher (passed to process 0); its stderr once every process left."""
+  launch.send_signal(signal.SIGTERM)
+  try:
+    return launch.communicate(timeout=60)[1]
+  except subprocess.TimeoutExpired:
+    launch.kill()
+    return launch.communicate()[1]
+
+
+def _child(pid: int, arg: str) -> int:
+  """The child process of `pid` with `arg` on its command line."""
+  with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+    children = [int(c) for c in f.read().split()]
+  for c in children:
+    with open(f"/proc/{c}/cmdline", "rb") as f:
+      if arg.encode() in f.read().split(b"\0"):
+        return c
+  raise AssertionError(f"no child of {pid} runs with {arg} (children {children})")
+
+
+def test_a_completion_on_two_processes_gives_one_process_tokens(store):
+  path, chunk = store
+  host_gb = _host_gb(chunk)
+  port = _free_port()
+  launch = _launch(path, chunk, port)
   try:
     with glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=host_gb) as m:
       ref = m.generate(PROMPT, TOKENS, temperature=0.0)
       ref_pieces = [m.tokenizer.decode([int(t)]) for t in ref.tokens]
     base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 90
-    while not _healthy(base):
-      assert launch.poll() is None, launch.communicate()[1][-3000:]
-      assert time.monotonic() < end, "the 2-process server did not come up"
-      time.sleep(0.2)
+    _wait_healthy(launch, base)
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
     name = client.models.list().data[0].id
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
@@ -79,15 +114,33 @@ def test_a_completion_on_two_processes_gives_one_process_tokens(store):
     with urllib.request.urlopen(base + "/health", timeout=5) as h:
       health = json.load(h)
   finally:
-    launch.send_signal(signal.SIGTERM)  # process 0 stops serving; process 1 follows it out
-    try:
-      out, err = launch.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-      launch.kill()
-      out, err = launch.communicate()
+    err = _stop(launch)  # process 0 stops serving; process 1 follows it out
   assert r.choices[0].logprobs.tokens == ref_pieces
   assert r.choices[0].text == "".join(ref_pieces)
   assert r.usage.completion_tokens == len(ref.tokens)
   assert health["completed"] == 1 and health["failed"] == 0
   assert health["engine"]["expert_misses"] > 0  # the store needs offload: experts were read
   assert launch.returncode == 0, err[-3000:]
+
+
+def test_a_dead_follower_fails_requests_with_an_error_naming_it(store):
+  path, chunk = store
+  port = _free_port()
+  launch = _launch(path, chunk, port)
+  base = f"http://127.0.0.1:{port}"
+  try:
+    _wait_healthy(launch, base)
+    os.kill(_child(launch.pid, "--process_id=1"), signal.SIGKILL)
+    # process 0's idle tick (glmjax.serving.follow.IDLE_TICK_S) finds the follower gone
+    end = time.monotonic() + 20
+    while _healthy(base):
+      assert time.monotonic() < end, "process 0 did not notice its dead follower"
+      time.sleep(0.2)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=20)
+    with pytest.raises(openai.APIStatusError) as e:
+      client.completions.create(model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+  finally:
+    err = _stop(launch)
+  assert e.value.status_code == 503
+  assert "process 1 of this 2-process run died or left" in str(e.value)
+  assert launch.returncode != 0, err[-3000:]

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from glmjax.decoding import sampling
-from glmjax.errors import GlmjaxError, InputError
+from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.serving import protocol
 from glmjax.serving.guard import Guard
 from glmjax.serving.protocol import ApiError
@@ -223,11 +223,11 @@ async def _next_event(queue: asyncio.Queue, request: Request, poll_s: float = 0.
 
 
 def _failure(e: Exception) -> ApiError:
-  """A job's failure: the request's fault (InputError) is a 400, a stopped scheduler a 503,
-  anything else the server's 500."""
+  """A job's failure: the request's fault (InputError) is a 400, a stopped scheduler or a
+  dead peer process (PeerError, several processes) a 503, anything else the server's 500."""
   if isinstance(e, InputError):
     return ApiError(400, str(e))
-  if isinstance(e, ServerDown):
+  if isinstance(e, (ServerDown, PeerError)):
     return ApiError(503, str(e), None, "server_down", "server_error")
   return ApiError(500, str(e), None, "internal_error", "server_error")
 
