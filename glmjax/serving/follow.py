@@ -24,7 +24,7 @@ import json
 
 import numpy as np
 
-from glmjax.errors import GlmjaxError, PeerError
+from glmjax.errors import GlmjaxError, InputError
 from glmjax.offload.owners import peers_named
 
 HEADER_WORDS = 256  # int32 words of every command's first broadcast: its length, then bytes
@@ -96,9 +96,11 @@ class Follower:
     self.ops = 0
 
   def run(self) -> None:
-    """Follows until process 0 says `stop`. A PeerError (process 0 gone) propagates; any
-    other failure of an operation is process 0's too (same inputs), which then sends the
-    recovery's commands, so it is logged and the loop goes on."""
+    """Follows until process 0 says `stop`. An InputError (a request refused before any
+    compute, on the same inputs as process 0's, which refused it too) is logged and the loop
+    goes on; any other failure ends it: a failure in the middle of an operation may have left
+    this process's collectives out of step with the others', so the run must stop rather than
+    go on (process 0's next collective then fails with a PeerError)."""
     import logging
     while True:
       cmd = self.channel.receive()
@@ -107,10 +109,8 @@ class Follower:
       self.ops += 1
       try:
         getattr(self, "_" + cmd["op"])(cmd)
-      except PeerError:
-        raise
-      except Exception:  # noqa: BLE001 - mirrored on process 0, which decides what follows
-        logging.exception("follower: %s failed", cmd["op"])
+      except InputError:
+        logging.exception("follower: %s refused", cmd["op"])
       self.model.persist_stats()
 
   def _idle(self, cmd: dict) -> None:
@@ -130,7 +130,7 @@ class Follower:
   def _step(self, cmd: dict) -> None:
     mine = [None if r is None else int(r.token) for r in self.batch.rows]
     if mine != cmd["tokens"]:
-      raise PeerError(f"serve: this follower's batch diverged from process 0's (tokens "
+      raise GlmjaxError(f"serve: this follower's batch diverged from process 0's (tokens "
                       f"{mine} here, {cmd['tokens']} there)")
     for row in self.batch.step():
       self.tags.pop(row.tag.id)
@@ -149,12 +149,16 @@ class Follower:
 
 
 def follow(model, channel: Channel) -> int:
-  """A follower process's main loop (scripts/serve.py on processes 1..n-1); 0 once process 0
-  stopped the server, 1 when it died or left."""
+  """A follower process's main loop (scripts/serve.py on processes 1..n-1): 0 once process 0
+  stopped the server; 1 when it died or left (a PeerError) or an operation failed here."""
   import sys
+  import traceback
   try:
     Follower(model, channel).run()
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
+    return 1
+  except Exception:  # noqa: BLE001 - reported, and the run ends (see Follower.run)
+    traceback.print_exc()
     return 1
   return 0
