@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 
@@ -144,3 +145,25 @@ def test_a_dead_follower_fails_requests_with_an_error_naming_it(store):
   assert e.value.status_code == 503
   assert "process 1 of this 2-process run died or left" in str(e.value)
   assert launch.returncode != 0, err[-3000:]
+
+
+def test_the_channel_carries_short_and_long_commands():
+  """Channel's packing, with the broadcast replaced by a queue (what process 0 sends is what a
+  follower receives): a step fits the fixed header; a long prompt takes a second, padded one."""
+  from glmjax.serving import follow
+  sent = []
+  leader, member = follow.Channel(), follow.Channel()
+  leader.leader, member.leader = True, False
+  leader._broadcast = lambda buf: sent.append(buf.copy()) or buf
+  member._broadcast = lambda buf: (sent.pop(0) if len(sent[0]) == len(buf) else
+                                   pytest.fail(f"shapes {len(sent[0])} != {len(buf)}"))
+  commands = [dict(op="step", tokens=[17, None]),
+              dict(op="admit", id=3, prompt=list(range(2000)), echo=False,
+                   settings=dict(temperature=np.float32(0.5), stop=["\n\n"]))]
+  for cmd in commands:
+    leader.send(**cmd)
+  assert [len(b) for b in sent] == [follow.HEADER_WORDS, follow.HEADER_WORDS, 4096]
+  got = [member.receive(), member.receive()]
+  assert got[0] == commands[0]
+  assert got[1]["prompt"] == list(range(2000)) and got[1]["settings"]["temperature"] == 0.5
+  assert not sent

@@ -52,7 +52,7 @@ class Channel:
   def send(self, op: str, **fields) -> None:
     """Process 0: tells every follower the operation it is about to run."""
     assert self.leader
-    data = json.dumps(dict(op=op, **fields)).encode()
+    data = json.dumps(dict(op=op, **fields), default=_plain).encode()
     room = 4 * (HEADER_WORDS - 1)
     head = np.concatenate([np.asarray([len(data)], np.int32), _pack(data[:room], HEADER_WORDS - 1)])
     self._broadcast(head)
@@ -68,6 +68,13 @@ class Channel:
     if n > room:
       data += self._broadcast(np.zeros(_words(n - room), np.int32)).tobytes()[:n - room]
     return json.loads(data)
+
+
+def _plain(value):
+  """A numpy scalar in a command (e.g. a float32 default temperature) as its Python value."""
+  if isinstance(value, np.generic):
+    return value.item()
+  raise TypeError(f"a serve command cannot carry {type(value).__name__}")
 
 
 def _words(n_bytes: int) -> int:
