@@ -7,11 +7,14 @@ Each process gets M CPU devices (XLA_FLAGS --xla_force_host_platform_device_coun
 loopback port for the coordinator, and --coordinator, --num_processes, --process_id appended to
 the script's flags (glmjax.distributed reads them). Process 0's output passes through; the
 others' is kept and shown only if one fails. The exit status is the first non-zero one.
+SIGTERM or SIGINT to this launcher is passed to process 0 alone as SIGINT: it stops (a server
+stops serving) and the others follow it out (glmjax.serving.follow).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +52,13 @@ def main(argv):
     log = None if i == 0 else tempfile.TemporaryFile()
     procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
     logs.append(log)
+
+  def stop_first(signum, frame):
+    del signum, frame
+    if procs[0].poll() is None:
+      procs[0].send_signal(signal.SIGINT)
+  signal.signal(signal.SIGTERM, stop_first)
+  signal.signal(signal.SIGINT, stop_first)
   codes = []
   try:
     for p in procs:

@@ -8,6 +8,12 @@ GET /tokenizer_info, POST /tokenize, POST /detokenize, GET /health. With an API 
 --api_key_file or GLMJAX_API_KEY) every route but /health needs it. Requests decode together, up to --max_batch at a time; up to --max_queue more
 wait, and a request beyond that is answered 429. Unset temperature/top_p take the model's
 generation_config.json.
+
+Several processes (hosts), each with its own tiers of the experts it owns (glmjax.offload.owners):
+  python scripts/serve.py --model=/nvme/glm5-int4 --host_cache_gb=200 --mesh=expert:2 \
+      --coordinator=HOST0:PORT --num_processes=2 --process_id=I      # on each host, I = 0, 1
+Process 0 answers HTTP; the others follow its batch operations (glmjax.serving.follow) and
+leave when it stops. `{process}` in --model is the process index (a store copy per process).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import sys
 from absl import app, flags, logging
 
 import glmjax
+from glmjax import distributed
 
 FLAGS = flags.FLAGS
+distributed.define_flags()  # --mesh, and --coordinator etc. for several processes
 flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, printed).",
@@ -53,8 +61,6 @@ flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorizatio
                     "X-Api-Key), comma-separated; default: the GLMJAX_API_KEY environment "
                     "variable, else none (open).")
 flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
-flags.DEFINE_string("mesh", None, "Device mesh of this one process as axis:size pairs (expert, "
-                    "tensor, data; e.g. expert:4); default: one device.")
 flags.DEFINE_bool("prefix_cache", True, "Reuse the KV pages of prompt prefixes already "
                   "prefilled (full pages of 256 positions); --noprefix_cache turns it off.")
 flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
@@ -77,6 +83,7 @@ LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize()
   import uvicorn
   from glmjax.serving.app import create_app
   options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
@@ -87,14 +94,18 @@ def main(argv):
     keys = api_keys(FLAGS.api_key, FLAGS.api_key_file)
     guard = Guard(keys, loopback=is_loopback(FLAGS.host),
                   max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20))
-    from glmjax import sharding
-    mesh = sharding.make_mesh(sharding.parse(FLAGS.mesh)) if FLAGS.mesh else None
-    model = glmjax.load(FLAGS.model, mesh=mesh, dtype=FLAGS.dtype, moe_kernel=FLAGS.moe_kernel,
-                        kv_dtype=FLAGS.kv_dtype, **options)
+    mesh = distributed.mesh_from_flags()
+    model = glmjax.load(distributed.per_process(FLAGS.model), mesh=mesh, dtype=FLAGS.dtype,
+                        moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, **options)
+    if not distributed.is_main():
+      return follower(model)
+    from glmjax.serving.follow import Channel
+    channel = Channel() if distributed.process_count() > 1 else None
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
-                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache)
+                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache, channel)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
+    distributed.exit_now(1)  # several processes: the others' next collective fails
     return 1
   if not keys and not is_loopback(FLAGS.host):
     print(f"warning: serving on {FLAGS.host} without an API key: anyone who can reach this "
@@ -110,7 +121,23 @@ def main(argv):
   finally:
     server.state.scheduler.close()
     model.close()
+  if server.state.scheduler.dead:  # e.g. a follower died (PeerError): no shutdown barrier
+    print(f"error: {server.state.scheduler.dead}", file=sys.stderr)
+    distributed.exit_now(1)
+    return 1
   return 0
+
+
+def follower(model) -> int:
+  """Processes 1..n-1: follow process 0's batch operations until it stops the server."""
+  from glmjax.serving.follow import Channel, follow
+  try:
+    code = follow(model, Channel())
+  finally:
+    model.close()
+  if code:  # process 0 is gone: leave without the shutdown barrier
+    distributed.exit_now(code)
+  return code
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from glmjax.decoding import sampling
-from glmjax.errors import GlmjaxError, InputError
+from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.serving import protocol
 from glmjax.serving.guard import Guard
 from glmjax.serving.protocol import ApiError
@@ -50,20 +50,22 @@ def _error(e: ApiError) -> JSONResponse:
 
 def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
                kv_cache_gb: float | None = None, guard: Guard | None = None,
-               prefix_cache: bool = True):
+               prefix_cache: bool = True, channel=None):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
   `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
   (None: automatic, glmjax.serving.batch.kv_budget), behind `guard` (default: no API key, a
   loopback bind, 8 MB bodies). With `prefix_cache`, requests reuse the KV pages of prompt
-  prefixes already prefilled (glmjax.decoding.prefix). `app.state.scheduler` is its scheduler; call
-  `app.state.scheduler.close()` when done."""
+  prefixes already prefilled (glmjax.decoding.prefix). With `channel`
+  (glmjax.serving.follow.Channel, on process 0 of several) the other processes follow its batch
+  operations. `app.state.scheduler` is its scheduler; call `app.state.scheduler.close()` when
+  done."""
   from glmjax.serving.scheduler import Scheduler
   name = name or model_name(model)
   guard = guard or Guard()
   tok = model.tokenizer
   if tok is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
-  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache)
+  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache, channel)
   gen = sampling.SamplingParams.from_generation_config(tok.generation_config or {})
   defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 
@@ -221,11 +223,11 @@ async def _next_event(queue: asyncio.Queue, request: Request, poll_s: float = 0.
 
 
 def _failure(e: Exception) -> ApiError:
-  """A job's failure: the request's fault (InputError) is a 400, a stopped scheduler a 503,
-  anything else the server's 500."""
+  """A job's failure: the request's fault (InputError) is a 400, a stopped scheduler or a
+  dead peer process (PeerError, several processes) a 503, anything else the server's 500."""
   if isinstance(e, InputError):
     return ApiError(400, str(e))
-  if isinstance(e, ServerDown):
+  if isinstance(e, (ServerDown, PeerError)):
     return ApiError(503, str(e), None, "server_down", "server_error")
   return ApiError(500, str(e), None, "internal_error", "server_error")
 

@@ -20,10 +20,11 @@ import time
 
 import numpy as np
 
-from glmjax.errors import GlmjaxError, InputError
+from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.decoding.generation import new_request
 from glmjax.decoding.logprobs import prompt_logprobs
-from glmjax.serving.batch import BatchDecoder
+from glmjax.serving.batch import GiB, BatchDecoder, kv_budget
+from glmjax.serving.follow import IDLE_TICK_S
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
 ENGINE_KEYS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "expert_bytes_read")
@@ -92,14 +93,21 @@ class Scheduler:
   """Continuous batching over `model`: up to `max_batch` requests decode together, up to
   `max_queue` more wait. `submit`, `state` and `close` are called from the server's threads;
   everything that touches the model runs on the scheduler's own thread, which publishes a
-  snapshot of the engine's counters after each step for `state` to read."""
+  snapshot of the engine's counters after each step for `state` to read. With `channel`
+  (glmjax.serving.follow.Channel, several processes) that thread tells the other processes
+  each batch operation before running it, so that theirs run the same collectives."""
 
   def __init__(self, model, max_batch: int = 4, max_queue: int = 16,
-               kv_cache_gb: float | None = None, prefix_cache: bool = False):
+               kv_cache_gb: float | None = None, prefix_cache: bool = False, channel=None):
     if max_queue < 0:
       raise InputError(f"max_queue must be ≥ 0, got {max_queue}")
     self.model = model
     self.max_queue = max_queue
+    self.channel = channel
+    if channel is not None:  # one budget for all: the automatic one depends on local memory
+      kv_bytes = kv_budget(model, max_batch, model.max_context, kv_cache_gb)
+      channel.send("hello", width=max_batch, kv_bytes=kv_bytes, prefix_cache=prefix_cache)
+      kv_cache_gb = kv_bytes / GiB
     self.batch = BatchDecoder(model, max_batch, kv_cache_gb=kv_cache_gb,
                               prefix_cache=prefix_cache)
     self.context = self.batch.context
@@ -170,6 +178,7 @@ class Scheduler:
   def _run(self) -> None:
     try:
       self._serve()
+      self._tell("stop")
     except BaseException as e:  # the thread is gone: say so, and answer everyone at once
       logging.exception("the scheduler thread stopped")
       with self._cond:
@@ -180,19 +189,38 @@ class Scheduler:
       for job in jobs:
         self.counts["failed"] += 1
         job.push("error", ServerDown(self.dead))
+      if not isinstance(e, PeerError):  # followers still listening: let them leave
+        try:
+          self._tell("stop")
+        except Exception:  # noqa: BLE001 - best effort; the thread is stopping anyway
+          pass
+
+  def _tell(self, op: str, **fields) -> None:
+    """Several processes: tells the followers the batch operation about to run."""
+    if self.channel is not None:
+      self.channel.send(op, **fields)
+
+  def _has_work(self) -> bool:
+    return self._stop or bool(self._waiting and self.batch.can_admit(
+        self._tokens(self._waiting[0]))) or (not self._held and bool(self.batch.live))
 
   def _serve(self) -> None:
     faults = 0  # consecutive failed turns
+    # Several processes: an idle server still ticks (follow.IDLE_TICK_S), see _tell.
+    tick = None if self.channel is None else IDLE_TICK_S
     while True:
       with self._cond:
-        while not self._stop and not (self._waiting and self.batch.can_admit(
-            self._tokens(self._waiting[0]))) and (self._held or not self.batch.live):
-          self._cond.wait()
+        ready = self._cond.wait_for(self._has_work, timeout=tick)
         if self._stop:
           return
+      if not ready:
+        self._tell("idle")
+        continue
       try:
         self._turn()
         faults = 0
+      except PeerError:  # another process is gone: nothing can run any more
+        raise
       except Exception as e:  # a fault mid-step: the live requests are recomputed, not failed
         logging.exception("scheduler step failed")
         faults += 1
@@ -203,6 +231,7 @@ class Scheduler:
   def _turn(self) -> None:
     """One step boundary: drop cancelled rows, admit waiting jobs, decode one step."""
     for job in [j for j in self._jobs.values() if j.cancelled]:
+      self._tell("drop", id=job.id)
       self.batch.drop(job)
       with self._cond:
         del self._jobs[job.id]
@@ -217,6 +246,7 @@ class Scheduler:
       return
     self.peak_live = max(self.peak_live, self.batch.live)
     before = self._telemetry()
+    self._tell("step", tokens=[None if r is None else int(r.token) for r in self.batch.rows])
     done = self.batch.step()
     self.counts["steps"] += 1
     self._share(before, list(self._jobs.values()))
@@ -235,6 +265,8 @@ class Scheduler:
     try:
       job.req = new_request(self.model, job.prompt_ids, on_text=lambda p: job.push("text", p),
                             on_score=lambda s: job.push("score", s), **job.settings)
+      self._tell("admit", id=job.id, prompt=[int(t) for t in job.prompt_ids],
+                 settings=job.settings, echo=job.echo)
       before = self._telemetry()
       if job.echo:  # the prompt's own logprobs: one teacher-forced pass (Model.score)
         job.prompt_scores = prompt_logprobs(self.model, job.prompt_ids, job.req.logprobs or 0)
@@ -246,6 +278,8 @@ class Scheduler:
       self.counts["failed"] += 1
       job.push("error", e if isinstance(e, GlmjaxError) else
                GlmjaxError(f"internal error during prefill: {type(e).__name__}: {e}"))
+      if isinstance(e, PeerError):  # another process is gone: the scheduler stops
+        raise
       if self.batch.damaged():
         self._recover(e, give_up=False)
       return
@@ -287,15 +321,20 @@ class Scheduler:
     self.counts["faults"] += 1
     with self._cond:
       jobs = list(self._jobs.values())
+    self._tell("reset")
     self.batch.reset()
     for job in jobs:
       try:
         if give_up:
           raise GlmjaxError(f"internal error during decoding, {MAX_FAULTS} times in a row: "
                             f"{type(error).__name__}: {error}")
+        self._tell("restore", id=job.id)
         self.batch.restore(job)
         self.counts["recovered"] += 1
       except Exception as e:
+        if isinstance(e, PeerError):
+          raise
+        self._tell("drop", id=job.id)
         self.batch.drop(job)
         with self._cond:
           self._jobs.pop(job.id, None)
