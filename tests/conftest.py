@@ -8,9 +8,6 @@ import tempfile
 import pytest
 
 
-TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-
-
 def pytest_configure(config):
   """JAX's persistent compilation cache in a directory made for this run (empty at the start)
   and shared, through the environment, by both xdist workers and every script the suite starts.
@@ -24,12 +21,6 @@ def pytest_configure(config):
     config.glmjax_owns_xla_cache = True
   path = os.environ["GLMJAX_TEST_XLA_CACHE"]
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-  # XLA:CPU compiles without LLVM's optimisation passes in the suite (and the scripts it
-  # starts): the same HLO and the same ops, compiled about 2× faster, and compiling is most of
-  # the suite's time (BUILD_NOTES §12). The README's quick-start command runs without it
-  # (test_readme.py), so the headline path is also checked as users compile it.
-  if TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
   import jax
   jax.config.update("jax_compilation_cache_dir", path)

@@ -22,16 +22,8 @@ def bash_blocks(section: str) -> list[str]:
   return re.findall(r"```bash\n(.*?)```", body, re.S)
 
 
-def run(argv, timeout=600, env=None):
-  return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def users_env() -> dict:
-  """The environment without the suite's XLA compile flag: XLA compiles as for a user."""
-  from conftest import TEST_XLA_FLAG
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAG, "").strip()
-  return env
+def run(argv, timeout=600):
+  return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def python_part(command: str) -> list[str]:
@@ -44,7 +36,7 @@ def python_part(command: str) -> list[str]:
 def test_quick_start_commands():
   generate, test = [b.strip() for b in bash_blocks("Quick start (fresh machine)")]
   assert generate.startswith("pip install -e . && python scripts/generate.py")
-  r = run(python_part(generate), env=users_env())
+  r = run(python_part(generate))
   assert r.returncode == 0, r.stderr
   assert "tok/s" in r.stdout and len(r.stdout.split("\n")[0]) > len("def ")
   # The summary names the dense format dtype="auto" chose on this CPU, and its bytes.
