@@ -99,9 +99,10 @@ def _cpu_kernels_compiled():
 
 # The files that take longest, first: xdist's `--dist loadfile` hands whole files to the
 # workers in collection order, so a long file collected last would run alone at the end.
-HEAVY_FIRST = ("test_long_context.py", "test_mesh.py", "test_dense_quant.py", "test_train.py",
-               "test_serve_clients.py", "test_grouped.py", "test_robustness.py",
-               "test_offload.py")
+HEAVY_FIRST = ("test_mesh.py", "test_multiprocess_offload.py", "test_long_context.py",
+               "test_dense_quant.py", "test_train.py", "test_serve_clients.py",
+               "test_robustness.py", "test_offload.py", "test_grouped.py", "test_calibration.py",
+               "test_multiprocess_serve.py", "test_dense_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):
