@@ -49,10 +49,6 @@ class MemoryPlan:
              "host_cache": "host expert cache", "working": "expert working set"}
     return {label: getattr(self, k) for k, label in names.items() if getattr(self, k)}
 
-  def describe(self) -> str:
-    """One line: each part's bytes."""
-    return ", ".join(f"{k} {gb(v)}" for k, v in self.parts().items())
-
 
 def refuse(parts: dict[str, int], room: int, memory: str):
   """The InputError for a plan whose `parts` exceed `room` bytes of `memory`."""
