@@ -38,9 +38,22 @@ def test_generate_greedy_is_deterministic_and_consistent(model):
               "new_tokens"):
     assert isinstance(a.stats[key], float)
   assert a.stats["decode_tok_s"] > 0 and a.stats["new_tokens"] == 12
+  # The first run compiles its steps; compile time (nested trace events counted once) is
+  # taken out of the prefill time, which stays a time.
+  assert a.stats["compile_s"] > 0 and a.stats["prefill_s"] >= 0 and b.stats["prefill_s"] >= 0
   # Greedy cached decoding picks the argmax of the teacher-forced logits at each position.
   logits = model.score(np.asarray([prompt + a.tokens]))
   np.testing.assert_array_equal(logits[0, len(prompt) - 1:-1].argmax(-1), a.tokens)
+
+
+def test_compile_clock_counts_nested_events_once():
+  """Nested compile events (an inner jit traced within an outer trace) overlap in time; the
+  clock counts the union of their intervals, as a plain loop over the seconds would."""
+  from glmjax.decoding.generation import CompileClock
+  clock = CompileClock()
+  clock._spans = [(0.0, 3.0), (1.0, 2.0), (2.5, 4.0), (5.0, 6.0), (5.5, 5.75)]
+  covered = sum(1 for i in range(600) if any(a <= i / 100 < b for a, b in clock._spans))
+  assert clock.seconds == pytest.approx(covered / 100) == pytest.approx(5.0)
 
 
 def test_generate_stops_at_stop_token(model):
