@@ -1,12 +1,13 @@
-"""The offload engine across processes (scripts/launch_local.py, 2 processes × 1 CPU device, mesh
-`expert:2`) on a tiny synthetic store of 16 experts per layer that needs offload, at three
-budget pairs in one launch, against one process without a mesh: scoring, and generation with
-MTP speculative decoding. Each process opens its own copy of the store (`{process}` in the
-path) that holds only the chunks of the experts it owns.
+"""The offload engine across processes (scripts/launch_local.py) on a tiny synthetic store of
+16 experts per layer that needs offload, at three budget pairs per launch, against one process
+without a mesh: scoring, and generation with MTP speculative decoding. Two launches of the
+driver: 2 processes × 1 CPU device (mesh `expert:2`) and 2 processes × 2 devices (`expert:4`);
+and scripts/generate.py as the README gives it. Each process opens its own copy of the store
+(`{process}` in the path) that holds only the chunks of the experts it owns.
 
-Ownership: expert e belongs to the process whose device sits at expert index e // 8, so
-process 0 owns experts 0-7 and process 1 experts 8-15 of every MoE layer. The driver is
-tests/offload_processes.py; each process writes its own record.
+Ownership: expert e belongs to the process whose devices hold expert index e // (16 / n), so in
+both launches process 0 owns experts 0-7 and process 1 experts 8-15 of every MoE layer. The
+driver is tests/offload_processes.py; each process writes its own record.
 """
 
 import json
@@ -22,6 +23,7 @@ from conftest import ROOT
 
 BUDGETS = "3:4,0:0,2:16"  # pins per device and layer : host-cache chunks, per process
 DRIVER = os.path.join(ROOT, "tests", "offload_processes.py")
+GEN_HOST_GB = 4 * 20480 / (1 << 30)  # four of the tiny store's 20,480-byte expert chunks
 
 
 def _env():
@@ -42,45 +44,88 @@ def _keep_share(store: str, experts) -> None:
           shutil.rmtree(os.path.join(root, row, e))
 
 
+def _launch(devices: int, script: str, *flags: str) -> subprocess.Popen:
+  """scripts/launch_local.py: 2 processes × `devices` CPU devices running `script`."""
+  return subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
+       f"--devices_per_process={devices}", "--timeout_s=500", "--", script, *flags],
+      env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(proc: subprocess.Popen, what: str) -> None:
+  out = proc.communicate(timeout=560)[0]
+  assert proc.returncode == 0, (what, out[-3000:])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """(one-process record, its logits, [each process's record], [[its logits per budget]])."""
+  """(one-process record, its logits, {launch: ([each process's record], [[its logits per
+  budget]])}, {"one" | "two": generate.py's --json}). The five runs go at once, each on its own
+  store copies (a run rewrites its stores' usage statistics)."""
   from glmjax.formats.synthetic import make_synthetic_store
   base = tmp_path_factory.mktemp("mp_offload")
-  # The reference's store, and one copy per process holding only the chunks that process owns
-  # (a read of another's expert would fail: the chunk is not there).
-  stores = [str(base / name) for name in ("one", "two0", "two1")]
-  for s in stores:
-    make_synthetic_store(s, geometry="tiny", moe_layers=2, experts=16, seed=3)
-  for p, s in enumerate(stores[1:]):
-    _keep_share(s, range(8 * p, 8 * p + 8))
-  one, two = str(base / "out1"), str(base / "out2")
-  ref = subprocess.Popen([sys.executable, DRIVER, f"--store={stores[0]}", f"--out={one}",
-                          "--budgets=0:0", "--draft=2"], env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT)
-  multi = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
-       "--devices_per_process=1", "--timeout_s=400", "--", DRIVER,
-       f"--store={base / 'two{process}'}",
-       f"--out={two}", f"--budgets={BUDGETS}", "--mesh=expert:2", "--draft=2"],
-      capture_output=True, text=True, timeout=450, env=_env())
-  ref_out = ref.communicate(timeout=450)[0]
-  assert ref.returncode == 0, ref_out[-3000:]
-  assert multi.returncode == 0, multi.stderr[-3000:]
-  with open(os.path.join(one, "p0.json"), encoding="utf-8") as f:
+  # The reference's store, and per launch one copy per process holding only the chunks that
+  # process owns (a read of another's expert would fail: the chunk is not there).
+  make_synthetic_store(str(base / "one"), geometry="tiny", moe_layers=2, experts=16, seed=3)
+  shutil.copytree(base / "one", base / "gen_one")
+  for launch in ("2x1", "2x2", "gen"):
+    for p in range(2):
+      copy = base / f"{launch}_{p}"
+      shutil.copytree(base / "one", copy)
+      _keep_share(str(copy), range(8 * p, 8 * p + 8))
+  out = {k: str(base / f"out_{k}") for k in ("one", "2x1", "2x2")}
+  procs = {
+      "one": subprocess.Popen([sys.executable, DRIVER, f"--store={base / 'one'}",
+                               f"--out={out['one']}", "--budgets=0:0", "--draft=2"], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+      # 2 processes × 1 device (expert:2), and × 2 devices (expert:4: each process's two
+      # devices own its half), at the three budget pairs.
+      "2x1": _launch(1, DRIVER, f"--store={base / '2x1_{process}'}", f"--out={out['2x1']}",
+                     f"--budgets={BUDGETS}", "--mesh=expert:2", "--draft=2"),
+      "2x2": _launch(2, DRIVER, f"--store={base / '2x2_{process}'}", f"--out={out['2x2']}",
+                     f"--budgets={BUDGETS}", "--mesh=expert:4", "--draft=2"),
+  }
+  # The issue's command as a user types it (default sampling flags: the store's generation
+  # config, seeded), host caches of 4 chunks: the store needs offload. One process on the
+  # whole store against two on their shares.
+  gen = [os.path.join(ROOT, "scripts", "generate.py"), f"--host_cache_gb={GEN_HOST_GB}",
+         "--prompt_ids=5,6,7", "--max_new_tokens=6"]
+  procs["gen_one"] = subprocess.Popen(
+      [sys.executable, gen[0], f"--model={base / 'gen_one'}", *gen[1:],
+       f"--json={base / 'gen_one.json'}"], env=_env(), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  procs["gen_two"] = _launch(1, gen[0], f"--model={base / 'gen_{process}'}", *gen[1:],
+                             "--mesh=expert:2", f"--json={base / 'gen_two.json'}")
+  for name, proc in procs.items():
+    _wait(proc, name)
+  with open(os.path.join(out["one"], "p0.json"), encoding="utf-8") as f:
     ref_rec = json.load(f)["runs"][0]
-  procs = []
-  for p in range(2):
-    with open(os.path.join(two, f"p{p}.json"), encoding="utf-8") as f:
-      procs.append(json.load(f))
-  logits = [[np.load(os.path.join(two, f"p{p}_{i}.npy")) for i in range(3)] for p in range(2)]
-  return ref_rec, np.load(os.path.join(one, "p0_0.npy")), procs, logits
+
+  def launch(path):
+    records = []
+    for p in range(2):
+      with open(os.path.join(path, f"p{p}.json"), encoding="utf-8") as f:
+        records.append(json.load(f))
+    logits = [[np.load(os.path.join(path, f"p{p}_{i}.npy")) for i in range(3)] for p in range(2)]
+    return records, logits
+
+  generated = {}
+  for k in ("one", "two"):
+    with open(base / f"gen_{k}.json", encoding="utf-8") as f:
+      generated[k] = json.load(f)
+  return (ref_rec, np.load(os.path.join(out["one"], "p0_0.npy")),
+          {k: launch(out[k]) for k in ("2x1", "2x2")}, generated)
 
 
-def test_logits_and_tokens_equal_one_process(runs):
+LAUNCHES = ["2x1", "2x2"]  # processes × devices per process
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_logits_and_tokens_equal_one_process(runs, launch):
   """Scored logits bitwise; the greedy tokens of speculative decoding (2 MTP drafts a step, the
   MTP layer's experts owned like the others) equal, with the same drafts accepted."""
-  ref, ref_logits, procs, logits = runs
+  ref, ref_logits, launches, _ = runs
+  procs, logits = launches[launch]
   assert ref["counts"]["draft_proposed"] > 0
   for p in range(2):
     assert procs[p]["processes"] == 2
@@ -91,8 +136,9 @@ def test_logits_and_tokens_equal_one_process(runs):
         assert rec["counts"][k] == ref["counts"][k], (p, i, k)
 
 
-def test_each_process_owns_and_reads_its_half(runs):
-  _, _, procs, _ = runs
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_each_process_owns_and_reads_its_half(runs, launch):
+  procs, _ = runs[2][launch]
   assert [procs[p]["runs"][0]["owned"] for p in range(2)] == [list(range(8)),
                                                               list(range(8, 16))]
   for p in range(2):
@@ -101,8 +147,9 @@ def test_each_process_owns_and_reads_its_half(runs):
       assert experts and experts <= set(rec["owned"]), (p, sorted(experts))
 
 
-def test_no_expert_held_twice_and_host_within_budget(runs):
-  _, _, procs, _ = runs
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_no_expert_held_twice_and_host_within_budget(runs, launch):
+  procs, _ = runs[2][launch]
   for i in range(3):
     held = []
     for p in range(2):
@@ -116,8 +163,10 @@ def test_no_expert_held_twice_and_host_within_budget(runs):
   assert procs[0]["runs"][0]["pins"]["1"] and procs[1]["runs"][0]["host"]  # the tiers work
 
 
-def test_counters_add_up_to_one_process(runs):
-  ref, _, procs, _ = runs
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_counters_add_up_to_one_process(runs, launch):
+  ref, _, launches, _ = runs
+  procs, _ = launches[launch]
   for i in range(3):
     used = 0
     for p in range(2):
@@ -125,6 +174,20 @@ def test_counters_add_up_to_one_process(runs):
       assert c["expert_pin_hits"] + c["expert_host_hits"] + c["expert_misses"] == c["experts_used"]
       used += c["experts_used"]
     assert used == ref["counts"]["experts_used"]  # the same routing, split by owner
+
+
+def test_generate_script_on_two_processes_gives_the_one_process_tokens(runs):
+  """The README's command for several hosts (launch_local.py, generate.py --mesh=expert:2 with
+  a host-cache budget, each process on the share of the store it owns): the tokens of one
+  process on the whole store, sampled with the store's own settings. The store needs offload
+  (misses, and host-cache hits, in both runs), and the experts used add up to the same."""
+  gen = runs[3]
+  assert gen["two"]["mesh"] and gen["one"]["tokens"] and len(gen["one"]["tokens"]) == 6
+  assert gen["two"]["tokens"] == gen["one"]["tokens"]
+  for k in ("one", "two"):
+    st = gen[k]["stats"]
+    assert st["expert_misses"] > 0 and st["expert_host_hits"] > 0, (k, st)
+  assert gen["two"]["stats"]["experts_used"] == gen["one"]["stats"]["experts_used"]
 
 
 def test_a_dead_process_fails_the_other_naming_it(tmp_path):
