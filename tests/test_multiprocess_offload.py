@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SUITE_XLA_FLAGS
 
 BUDGETS = "3:4,0:0,2:16"  # pins per device and layer : host-cache chunks, per process
 DRIVER = os.path.join(ROOT, "tests", "offload_processes.py")
@@ -29,7 +29,7 @@ GEN_HOST_GB = 4 * 20480 / (1 << 30)  # four of the tiny store's 20,480-byte expe
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = SUITE_XLA_FLAGS  # launch_local.py adds the device count
   return env
 
 

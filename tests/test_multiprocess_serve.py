@@ -20,7 +20,7 @@ import openai
 import pytest
 
 import glmjax
-from conftest import ROOT
+from conftest import ROOT, SUITE_XLA_FLAGS
 
 PROMPT = [5, 6, 7]
 TOKENS = 4
@@ -54,7 +54,7 @@ def _launch(path: str, chunk: int, port: int) -> subprocess.Popen:
   host cache of two chunks per process (most experts are read from the store)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = SUITE_XLA_FLAGS  # launch_local.py adds the device count
   return subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes=2",
        "--devices_per_process=1", "--timeout_s=120", "--",
