@@ -394,9 +394,10 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   app = create_app(model, max_batch=4, max_queue=4)
   polls, stop = [], threading.Event()
 
-  def poll(port):
+  def poll(port):  # every 20 ms: a tight loop would take the GIL from the scheduler
     while not stop.is_set():
       polls.append(_raw({"port": port}, "GET", "/health", key=None))
+      stop.wait(0.02)
   with serving(app) as port:
     poller = threading.Thread(target=poll, args=(port,), daemon=True)
     poller.start()
