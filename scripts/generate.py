@@ -32,7 +32,7 @@ from absl import app, flags, logging
 
 import glmjax
 from glmjax import distributed
-from glmjax.offload.owners import peers_named, sum_counters
+from glmjax.offload.owners import counter_layers, peers_named, sum_counters
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded. "
@@ -194,7 +194,7 @@ def run(model) -> None:
                           trace=FLAGS.trace, **show)
   if model.engine is not None and distributed.process_count() > 1:
     # each process counted its own experts: process 0 reports the sums
-    result.stats = sum_counters(result.stats, range(model.engine.tiers.pin_tables.shape[0]))
+    result.stats = sum_counters(result.stats, counter_layers(model.engine))
   print("\n" + summary(result, model.memory))
   if FLAGS.trace:
     print(f"trace: {FLAGS.trace}")

@@ -121,6 +121,11 @@ def test_a_completion_on_two_processes_gives_one_process_tokens(store):
   assert r.usage.completion_tokens == len(ref.tokens)
   assert health["completed"] == 1 and health["failed"] == 0
   assert health["engine"]["expert_misses"] > 0  # the store needs offload: experts were read
+  # Process 0 reports the sums of both processes' counters: every expert the request used was
+  # a pin hit, a host hit or a miss in the process owning it (one process alone counts half).
+  eng = health["engine"]
+  assert eng["expert_pin_hits"] + eng["expert_host_hits"] + eng["expert_misses"] == \
+      ref.stats["experts_used"]
   assert launch.returncode == 0, err[-3000:]
 
 

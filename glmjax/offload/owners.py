@@ -167,6 +167,12 @@ def additive_counters(layers) -> list[str]:
   return list(ADDITIVE) + [f"misses_layer_{l}" for l in layers]
 
 
+def counter_layers(engine) -> range:
+  """The layers of `engine`'s per-layer counters (its pin tables' rows: the MoE layers, then
+  the MTP layer's), as `additive_counters` and `sum_counters` take them."""
+  return range(engine.tiers.pin_tables.shape[0])
+
+
 def sum_counters(stats: dict, layers) -> dict:
   """`stats` with the additive counters summed over every process (a collective: every
   process calls it), and the pilot's rates recomputed from the sums."""

@@ -25,7 +25,7 @@ import json
 import numpy as np
 
 from glmjax.errors import GlmjaxError, InputError
-from glmjax.offload.owners import peers_named
+from glmjax.offload.owners import counter_layers, peers_named, sum_counters
 
 HEADER_WORDS = 256  # int32 words of every command's first broadcast: its length, then bytes
 IDLE_TICK_S = 2.0  # process 0 sends `idle` this often while nothing happens
@@ -133,6 +133,13 @@ class Follower:
       prompt_logprobs(self.model, prompt, req.logprobs or 0)
     if not (req.max_new_tokens == 0 or self.batch.admit(prompt, req, tag=tag)):
       self.tags[tag.id] = tag
+
+  def _sum(self, cmd: dict) -> None:
+    """Process 0 reports the engine counters summed over the processes (scheduler's
+    `_engine_totals`): this process adds its own."""
+    del cmd
+    if self.model.engine is not None:
+      sum_counters(self.model.engine.telemetry(), counter_layers(self.model.engine))
 
   def _step(self, cmd: dict) -> None:
     mine = [None if r is None else int(r.token) for r in self.batch.rows]

@@ -24,6 +24,7 @@ from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.decoding.generation import new_request
 from glmjax.decoding.logprobs import prompt_logprobs
 from glmjax.serving.batch import GiB, BatchDecoder, kv_budget
+from glmjax.offload.owners import counter_layers, peers_named, sum_counters
 from glmjax.serving.follow import IDLE_TICK_S
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
@@ -218,6 +219,7 @@ class Scheduler:
         continue
       try:
         self._turn()
+        self._engine_view = self._engine_totals()
         faults = 0
       except PeerError:  # another process is gone: nothing can run any more
         raise
@@ -225,7 +227,7 @@ class Scheduler:
         logging.exception("scheduler step failed")
         faults += 1
         self._recover(e, give_up=faults >= MAX_FAULTS)
-      self._engine_view = self._telemetry()
+        self._engine_view = self._engine_totals()
       self.model.persist_stats()  # throttled: at most every STATS_EVERY_S
 
   def _turn(self) -> None:
@@ -297,6 +299,17 @@ class Scheduler:
   def _finish(self, job: Job) -> None:
     self.counts["completed"] += 1
     job.push("done", job.summary())
+
+  def _engine_totals(self) -> dict | None:
+    """The engine counters /health shows. With several processes each counts only its own
+    experts, so process 0 reports their sums: a `sum` operation that every follower joins
+    (follow.Follower._sum), once per turn."""
+    view = self._telemetry()
+    if view is None or self.channel is None:
+      return view
+    self._tell("sum")
+    with peers_named("serve"):
+      return sum_counters(view, counter_layers(self.model.engine))
 
   def _telemetry(self) -> dict | None:
     eng = self.model.engine
