@@ -297,13 +297,16 @@ class Scheduler:
     return len(job.prompt_ids) + job.settings.get("max_new_tokens", 0)
 
   def _finish(self, job: Job) -> None:
+    # The counters /health shows include the finished request's work before its client hears
+    # it is done (with several processes this takes the sums now, not after the turn).
+    self._engine_view = self._engine_totals()
     self.counts["completed"] += 1
     job.push("done", job.summary())
 
   def _engine_totals(self) -> dict | None:
     """The engine counters /health shows. With several processes each counts only its own
     experts, so process 0 reports their sums: a `sum` operation that every follower joins
-    (follow.Follower._sum), once per turn."""
+    (follow.Follower._sum), after each turn and as each request finishes."""
     view = self._telemetry()
     if view is None or self.channel is None:
       return view
