@@ -23,7 +23,6 @@ from conftest import ROOT, SUITE_XLA_FLAGS
 
 BUDGETS = "3:4,0:0,2:16"  # pins per device and layer : host-cache chunks, per process
 DRIVER = os.path.join(ROOT, "tests", "offload_processes.py")
-GEN_HOST_GB = 4 * 20480 / (1 << 30)  # four of the tiny store's 20,480-byte expert chunks
 
 
 def _env():
@@ -66,7 +65,9 @@ def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("mp_offload")
   # The reference's store, and per launch one copy per process holding only the chunks that
   # process owns (a read of another's expert would fail: the chunk is not there).
-  make_synthetic_store(str(base / "one"), geometry="tiny", moe_layers=2, experts=16, seed=3)
+  manifest = make_synthetic_store(str(base / "one"), geometry="tiny", moe_layers=2, experts=16,
+                                  seed=3)
+  host_gb = 4 * manifest["experts"]["main"]["layout"]["nbytes"] / (1 << 30)  # four chunks
   shutil.copytree(base / "one", base / "gen_one")
   for launch in ("2x1", "2x2", "gen"):
     for p in range(2):
@@ -88,7 +89,7 @@ def runs(tmp_path_factory):
   # The command as a user types it (default sampling flags: the store's generation
   # config, seeded), host caches of 4 chunks: the store needs offload. One process on the
   # whole store against two on their shares.
-  gen = [os.path.join(ROOT, "scripts", "generate.py"), f"--host_cache_gb={GEN_HOST_GB}",
+  gen = [os.path.join(ROOT, "scripts", "generate.py"), f"--host_cache_gb={host_gb}",
          "--prompt_ids=5,6,7", "--max_new_tokens=6"]
   procs["gen_one"] = subprocess.Popen(
       [sys.executable, gen[0], f"--model={base / 'gen_one'}", *gen[1:],

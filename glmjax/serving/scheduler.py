@@ -219,7 +219,6 @@ class Scheduler:
         continue
       try:
         self._turn()
-        self._engine_view = self._engine_totals()
         faults = 0
       except PeerError:  # another process is gone: nothing can run any more
         raise
@@ -252,6 +251,7 @@ class Scheduler:
     done = self.batch.step()
     self.counts["steps"] += 1
     self._share(before, list(self._jobs.values()))
+    self._engine_view = self._engine_totals()  # before any client hears its request is done
     for row in done:
       with self._cond:
         job = self._jobs.pop(row.tag.id)
@@ -276,6 +276,7 @@ class Scheduler:
       finished = (job.req.max_new_tokens == 0 or
                   self.batch.admit(job.prompt_ids, job.req, tag=job))
       self._share(before, [job])
+      self._engine_view = self._engine_totals()  # before its client may hear it is done
     except Exception as e:
       self.counts["failed"] += 1
       job.push("error", e if isinstance(e, GlmjaxError) else
@@ -297,16 +298,14 @@ class Scheduler:
     return len(job.prompt_ids) + job.settings.get("max_new_tokens", 0)
 
   def _finish(self, job: Job) -> None:
-    # The counters /health shows include the finished request's work before its client hears
-    # it is done (with several processes this takes the sums now, not after the turn).
-    self._engine_view = self._engine_totals()
     self.counts["completed"] += 1
     job.push("done", job.summary())
 
   def _engine_totals(self) -> dict | None:
     """The engine counters /health shows. With several processes each counts only its own
     experts, so process 0 reports their sums: a `sum` operation that every follower joins
-    (follow.Follower._sum), after each turn and as each request finishes."""
+    (follow.Follower._sum), after each prefill and decode step, so a /health read after a
+    response already counts its work."""
     view = self._telemetry()
     if view is None or self.channel is None:
       return view
