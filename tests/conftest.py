@@ -20,10 +20,14 @@ def pytest_configure(config):
   """JAX's persistent compilation cache in a directory made for this run (empty at the start)
   and shared, through the environment, by both xdist workers and every script the suite starts.
   Dozens of subprocesses (README commands, scripts, the notebook) and several test files compile
-  the same embedded-model steps; compiled once each, the suite stays within its 10 minutes. The
+  the same embedded-model steps, compiled once each. The
   executables are the same either way; a torn entry read by another worker is a cache miss (JAX
   warns and compiles). The process that made the directory (xdist's controller, which starts
   the workers after this hook) removes it at the end."""
+  if hasattr(config.option, "loadscopereorder"):
+    # xdist would hand out files by their number of tests, most first (its default); the
+    # suite's own order (HEAVY_FIRST, below) is the one that keeps a long file off the end.
+    config.option.loadscopereorder = False
   if "GLMJAX_TEST_XLA_CACHE" not in os.environ:
     os.environ["GLMJAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="glmjax-test-xla-")
     config.glmjax_owns_xla_cache = True
@@ -107,12 +111,16 @@ def _cpu_kernels_compiled():
     time.sleep(0.05)
 
 
-# The files that take longest, first: xdist's `--dist loadfile` hands whole files to the
-# workers in collection order, so a long file collected last would run alone at the end.
-HEAVY_FIRST = ("test_mesh.py", "test_multiprocess_offload.py", "test_long_context.py",
-               "test_dense_quant.py", "test_train.py", "test_serve_clients.py",
-               "test_robustness.py", "test_offload.py", "test_grouped.py", "test_calibration.py",
-               "test_multiprocess_serve.py", "test_dense_kernels.py")
+# The files that take longest, first, by the CPU-seconds each took in a full run (themselves
+# and the processes they start; 1979b4e: test_long_context 255 s down to test_batch_decode
+# 68 s). xdist's `--dist loadfile` hands whole files to the workers in collection order (the
+# reordering by test count is off, above), so a long file collected last would run alone at
+# the end.
+HEAVY_FIRST = ("test_long_context.py", "test_multiprocess_offload.py", "test_speculative.py",
+               "test_serve_clients.py", "test_train.py", "test_offload.py",
+               "test_dense_quant.py", "test_grouped.py", "test_mesh.py", "test_replay.py",
+               "test_robustness.py", "test_calibration.py", "test_store.py",
+               "test_batch_decode.py")
 
 
 def pytest_collection_modifyitems(config, items):
