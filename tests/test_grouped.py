@@ -530,3 +530,35 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
     assert read_now == (1 + len(guesses)) * chunk  # the wasted guesses' bytes count too
     ref = _tiered(plain.engine, layer, plain.engine.dense.layers[layer].mlp, x, ids)
     np.testing.assert_array_equal(np.asarray(terms), np.asarray(ref))
+
+
+def test_a_read_that_finishes_after_the_landing_is_not_expired(embedded_store):
+  """A prefetch whose read finishes between a step's landing and its expiry has not had its
+  chance to land: the expiry keeps it, and the next landing stores it (read once). Dropping it
+  there made the tiers depend on read timing: a host fill's read dropped so was read again on
+  demand (one suite run read 129 chunks of 128). The read is held back by an event, never a
+  sleep."""
+  import concurrent.futures as cf
+  import threading
+  with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
+                   host_cache_gb=8 * chunk_bytes(embedded_store) / GB, prefetch=False) as m:
+    eng = m.engine
+    pf = eng.prefetcher
+    layer, guess = eng.moe_layers[0], 5
+    gate = threading.Event()
+    read = eng.reader.read_fn
+    eng.reader.read_fn = lambda l, x: gate.wait() and read(l, x)
+    before = eng.telemetry()
+    eng.hint(layer, [guess], PILOT)
+    fut = pf.inflight[(layer, guess)][0]
+    pf.land()  # the read has not finished: nothing lands, nothing is held
+    gate.set()
+    cf.wait([fut])
+    pf.expire(layer)  # the step's expiry comes after the read finished
+    assert (layer, guess) in pf.inflight
+    pf.land()
+    assert (layer, guess) in eng.host.keys() and (layer, guess) not in pf.inflight
+    after = eng.telemetry()
+    assert after.get("prefetch_wasted", 0) == before.get("prefetch_wasted", 0)
+    assert after["expert_bytes_read"] - before.get("expert_bytes_read", 0) == chunk_bytes(
+        embedded_store)

@@ -232,7 +232,8 @@ def land_free(keys, room, store) -> list:
 class PrefetchLedger:
   """What becomes of each prefetched read. Keys are the caller's (the engine: (layer, expert);
   the simulator: j·E + expert), `layer_of(key)` their layer, and `finished(handle)` whether a
-  pending read has finished (the simulator's reads always have). Counters go to `stats` as
+  pending read is held: it had finished at the last landing and found no room (the
+  simulator's reads always have finished). Counters go to `stats` as
   prefetch_issued, prefetch_useful, prefetch_late, prefetch_failed and prefetch_wasted.
 
   - An issued read waits in `pending` (key → the caller's handle) until it lands, into free
