@@ -10,9 +10,10 @@ import pytest
 
 # How XLA:CPU compiles in the suite (its workers, and every script it starts, through the
 # environment): LLVM at level 1 in one piece instead of level 2 split for parallel codegen.
-# Compiling is ~80% of the suite's CPU time; this takes ~15% off compiling, ~9% off the CPU. The executables compute
-# the same bits as the default flags' (tests/test_suite_flags.py checks it on the model's
-# steps); level 0 does not (see BUILD_NOTES, "The suite's running time").
+# Compiling is ~80% of the suite's CPU time; this takes ~15% off compiling, ~9% off the CPU.
+# The executables compute the same bits as the default flags' (tests/test_suite_flags.py
+# checks it on the model's steps); level 0 does not (see BUILD_NOTES, "The suite's running
+# time").
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_parallel_codegen_split_count=1"
 
 
@@ -20,8 +21,7 @@ def pytest_configure(config):
   """JAX's persistent compilation cache in a directory made for this run (empty at the start)
   and shared, through the environment, by both xdist workers and every script the suite starts.
   Dozens of subprocesses (README commands, scripts, the notebook) and several test files compile
-  the same embedded-model steps, compiled once each. The
-  executables are the same either way; a torn entry read by another worker is a cache miss (JAX
+  the same embedded-model steps, compiled once each. The executables are the same either way; a torn entry read by another worker is a cache miss (JAX
   warns and compiles). The process that made the directory (xdist's controller, which starts
   the workers after this hook) removes it at the end."""
   if hasattr(config.option, "loadscopereorder"):
