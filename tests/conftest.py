@@ -22,8 +22,9 @@ def pytest_configure(config):
   and shared, through the environment, by both xdist workers and every script the suite starts.
   Dozens of subprocesses (README commands, scripts, the notebook) and several test files compile
   the same embedded-model steps, compiled once each. The executables are the same either way;
-  a torn entry read by another worker is a cache miss (JAX warns and compiles). The process that made the directory (xdist's controller, which starts
-  the workers after this hook) removes it at the end."""
+  a torn entry read by another worker is a cache miss (JAX warns and compiles). The process
+  that made the directory (xdist's controller, which starts the workers after this hook)
+  removes it at the end."""
   if hasattr(config.option, "loadscopereorder"):
     # xdist would hand out files by their number of tests, most first (its default); the
     # suite's own order (HEAVY_FIRST, below) is the one that keeps a long file off the end.
