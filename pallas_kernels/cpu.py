@@ -41,9 +41,12 @@ activation is ``float32(silu(float64(g)) * float64(u))`` with
 Paths (all with the arithmetic above)
 -------------------------------------
 * n == 1 token row per expert (decode): each weight row is decoded chunk by
-  chunk in registers and dotted with x in the same pass (~12 GB/s of int4
-  weights on 2 Zen 4 cores; with AVX-512 one ``vpermps`` from a 16-entry
-  per-group table ``(q - 8) * s`` decodes 16 int4 weights).
+  chunk in registers and dotted with x in the same pass, four rows at a time
+  for int4 G64 and int8 G % 32 == 0 (each row its own accumulators, the
+  loads of x shared; ~17 GB/s of int4 weights from DRAM on 2 Zen 4 cores;
+  with AVX-512 one ``vpermps`` from a 16-entry per-group table
+  ``(q - 8) * s`` decodes 16 int4 weights, the low and high nibbles of 16
+  bytes sharing one widening).
 * 2 <= n <= 4: the same, with 4 token accumulators per weight row.
 * n > 4 (grouped): each thread decodes a block of 16 weight rows once into a
   float32 buffer and applies it to tiles of 4 tokens with a 2 rows x 4 tokens
@@ -239,12 +242,19 @@ def _make_decode_scaled(kind):
     def cg(context, builder, sig, args):
       p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I8V)
       b = builder.load(p, align=1)
-      if kind == "hi":
-        b = builder.lshr(b, ir.Constant(_I8V, [4] * LANES))
       if _AVX512:
+        # Widen the bytes first and shift in 32-bit lanes: the low and high nibbles of the
+        # same 16 bytes then share one load and one widening (LLVM merges them), where a
+        # byte shift before widening needs two. The widening shuffles bound this loop
+        # (BUILD_NOTES §22: 1.06-1.15x the int4 matvec).
+        z = builder.zext(b, _I32V)
+        if kind == "hi":
+          z = builder.lshr(z, ir.Constant(_I32V, [4] * LANES))
         fnty = ir.FunctionType(_VT, [_VT, _I32V])
         fn = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", fnty=fnty)
-        return builder.call(fn, [args[2], builder.zext(b, _I32V)])  # uses the low 4 bits
+        return builder.call(fn, [args[2], z])  # uses the low 4 bits
+      if kind == "hi":
+        b = builder.lshr(b, ir.Constant(_I8V, [4] * LANES))
       if kind == "lo":
         b = builder.and_(b, ir.Constant(_I8V, [15] * LANES))
       q = builder.sitofp(builder.sub(b, ir.Constant(_I8V, [8] * LANES)), _VT)
@@ -328,20 +338,35 @@ def _bf16(typingctx, u):
 
 
 @njit(**_JIT)
+def _q4g64_group(pk, pb, scale, x0, x1, x2, x3, a0, a1):
+  """One int4 G64 group of a row (packed bytes pk[pb:pb + 32], bf16 scale bits) into the row's
+  accumulators, in ``_fused_row``'s order; x0..x3 the group's four input chunks."""
+  s = _vsplat(_bf16(scale))
+  t = _vtab(s)
+  a0 = _vfma(_vq4lo_s(pk, pb, t, s), x0, a0)
+  a1 = _vfma(_vq4lo_s(pk, pb + 16, t, s), x1, a1)
+  a0 = _vfma(_vq4hi_s(pk, pb, t, s), x2, a0)
+  a1 = _vfma(_vq4hi_s(pk, pb + 16, t, s), x3, a1)
+  return a0, a1
+
+
+@njit(**_JIT)
+def _q8_chunks(pk, pb, s, x0, x1, a0, a1):
+  """Two int8 chunks of a row (pk[pb:pb + 32], scale vector s) into its accumulators."""
+  return (_vfma(_vmul(_vq8(pk, pb), s), x0, a0),
+          _vfma(_vmul(_vq8(pk, pb + LANES), s), x1, a1))
+
+
+@njit(**_JIT)
 def _fused_row(xb, xo, pk, po, sc, so, ng, g, bits):
   """W[row] . xb[xo:] with the row decoded chunk by chunk in registers (vec_ok only)."""
   a0 = _vzero()
   a1 = _vzero()
   if bits == 4 and g == 64:  # the GLM-5 layout, fully unrolled
     for gi in range(ng):
-      s = _vsplat(_bf16(sc[so + gi]))
-      t = _vtab(s)
-      pb = po + gi * 32
       xg = xo + gi * 64
-      a0 = _vfma(_vq4lo_s(pk, pb, t, s), _vld(xb, xg), a0)
-      a1 = _vfma(_vq4lo_s(pk, pb + 16, t, s), _vld(xb, xg + 16), a1)
-      a0 = _vfma(_vq4hi_s(pk, pb, t, s), _vld(xb, xg + 32), a0)
-      a1 = _vfma(_vq4hi_s(pk, pb + 16, t, s), _vld(xb, xg + 48), a1)
+      a0, a1 = _q4g64_group(pk, po + gi * 32, sc[so + gi], _vld(xb, xg), _vld(xb, xg + 16),
+                            _vld(xb, xg + 32), _vld(xb, xg + 48), a0, a1)
   elif bits == 4 and g % 64 == 0:  # even number of chunks per half group
     half = g // 2
     for gi in range(ng):
@@ -372,8 +397,7 @@ def _fused_row(xb, xo, pk, po, sc, so, ng, g, bits):
       pb = po + gi * g
       xg = xo + gi * g
       for k in range(0, g, 2 * LANES):
-        a0 = _vfma(_vmul(_vq8(pk, pb + k), s), _vld(xb, xg + k), a0)
-        a1 = _vfma(_vmul(_vq8(pk, pb + k + LANES), s), _vld(xb, xg + k + LANES), a1)
+        a0, a1 = _q8_chunks(pk, pb + k, s, _vld(xb, xg + k), _vld(xb, xg + k + LANES), a0, a1)
   else:  # int8, odd number of chunks per group
     for gi in range(ng):
       s = _vsplat(_bf16(sc[so + gi]))
@@ -519,10 +543,65 @@ def _finish(st, so):
 
 
 @njit(**_JIT)
+def _fused_rows4(xb, pk, po, kb, sc, so, ng, g, bits):
+  """``_fused_row`` of the four rows at pk[po], pk[po + kb], ... (int4 G64, or int8 with
+  G % 32 == 0), each with its own two accumulators in its own order (so bitwise the same),
+  sharing the loads of x. Four independent accumulator pairs hide the latency of the
+  multiply-add chains."""
+  a0 = _vzero()
+  a1 = _vzero()
+  b0 = _vzero()
+  b1 = _vzero()
+  c0 = _vzero()
+  c1 = _vzero()
+  d0 = _vzero()
+  d1 = _vzero()
+  if bits == 4:
+    for gi in range(ng):
+      j = gi * 64
+      x0 = _vld(xb, j)
+      x1 = _vld(xb, j + 16)
+      x2 = _vld(xb, j + 32)
+      x3 = _vld(xb, j + 48)
+      pb = po + gi * 32
+      a0, a1 = _q4g64_group(pk, pb, sc[so + gi], x0, x1, x2, x3, a0, a1)
+      b0, b1 = _q4g64_group(pk, pb + kb, sc[so + ng + gi], x0, x1, x2, x3, b0, b1)
+      c0, c1 = _q4g64_group(pk, pb + 2 * kb, sc[so + 2 * ng + gi], x0, x1, x2, x3, c0, c1)
+      d0, d1 = _q4g64_group(pk, pb + 3 * kb, sc[so + 3 * ng + gi], x0, x1, x2, x3, d0, d1)
+  else:
+    for gi in range(ng):
+      sa = _vsplat(_bf16(sc[so + gi]))
+      sb = _vsplat(_bf16(sc[so + ng + gi]))
+      s_c = _vsplat(_bf16(sc[so + 2 * ng + gi]))
+      sd = _vsplat(_bf16(sc[so + 3 * ng + gi]))
+      for k in range(0, g, 2 * LANES):
+        j = gi * g + k
+        x0 = _vld(xb, j)
+        x1 = _vld(xb, j + LANES)
+        a0, a1 = _q8_chunks(pk, po + j, sa, x0, x1, a0, a1)
+        b0, b1 = _q8_chunks(pk, po + kb + j, sb, x0, x1, b0, b1)
+        c0, c1 = _q8_chunks(pk, po + 2 * kb + j, s_c, x0, x1, c0, c1)
+        d0, d1 = _q8_chunks(pk, po + 3 * kb + j, sd, x0, x1, d0, d1)
+  return (_vhsum(_vadd(a0, a1)), _vhsum(_vadd(b0, b1)), _vhsum(_vadd(c0, c1)),
+          _vhsum(_vadd(d0, d1)))
+
+
+@njit(**_JIT)
 def _fused_rows(xb, pk, sc, row0, r_lo, r_hi, kb, ng, g, bits, yb):
   """Decode path (one token row xb[:Kq]): yb[r] for output rows [r_lo, r_hi)."""
-  for r in range(r_lo, r_hi):
-    yb[r] = _fused_row(xb, 0, pk, (row0 + r) * kb, sc, (row0 + r) * ng, ng, g, bits)
+  r = r_lo
+  if (bits == 4 and g == 64) or (bits == 8 and g % (2 * LANES) == 0):
+    # four rows at a time (BUILD_NOTES §22: 1.2-1.5x the one-row loop)
+    while r + 4 <= r_hi:
+      y0, y1, y2, y3 = _fused_rows4(xb, pk, (row0 + r) * kb, kb, sc, (row0 + r) * ng, ng, g,
+                                    bits)
+      yb[r] = y0
+      yb[r + 1] = y1
+      yb[r + 2] = y2
+      yb[r + 3] = y3
+      r += 4
+  for rr in range(r, r_hi):
+    yb[rr] = _fused_row(xb, 0, pk, (row0 + rr) * kb, sc, (row0 + rr) * ng, ng, g, bits)
 
 
 @njit(**_JIT)

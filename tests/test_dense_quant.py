@@ -213,9 +213,22 @@ def test_dense_bits_flag_is_checked(src, tmp_path):
 INT8_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 3e-2
 
 
-def test_dense_formats_kl_on_the_embedded_model(embedded_store, tmp_path):
+@pytest.fixture(scope="module")
+def embedded_dense(tmp_path_factory):
+  """The embedded model converted with `--dense_bits=8` and `4` (other flags default): {bits:
+  path}."""
   from conftest import convert_store
   from glmjax.formats import embedded
+  out = {}
+  for bits in (8, 4):
+    dst = str(tmp_path_factory.mktemp(f"embedded_dense{bits}") / "s")
+    r = convert_store(embedded.ensure(progress=False), dst, f"--dense_bits={bits}")
+    assert r.returncode == 0, r.stderr
+    out[bits] = dst
+  return out
+
+
+def test_dense_formats_kl_on_the_embedded_model(embedded_store, embedded_dense):
   from test_readme import heldout_tokens
   ref = glmjax.load(progress=False)
   toks = heldout_tokens(ref)
@@ -227,14 +240,44 @@ def test_dense_formats_kl_on_the_embedded_model(embedded_store, tmp_path):
     return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
 
   base = kl(embedded_store)
-  added = {}
-  for bits in (8, 4):
-    dst = str(tmp_path / f"dense{bits}")
-    r = convert_store(embedded.ensure(progress=False), dst, f"--dense_bits={bits}")
-    assert r.returncode == 0, r.stderr
-    added[bits] = kl(dst) - base
+  added = {bits: kl(path) - base for bits, path in embedded_dense.items()}
   assert 0 < added[8] <= INT8_ADDED_MAX, added
   assert added[8] < added[4] <= INT4_ADDED_MAX, added
+
+
+def test_int4_dense_store_fuses_speculates_and_serves_bitwise(embedded_dense):
+  """The int4-dense embedded store (int4 matmuls, int8 head) through the offload engine's
+  fused steps (a pin tier and a warmed host cache of every expert) and MTP speculation gives
+  the resident model's logits and greedy tokens bit for bit; the server, asked by the openai
+  SDK at temperature 0, answers with the same text as `generate`."""
+  import openai
+  from glmjax.reporting import store_geometry
+  from glmjax.serving.app import create_app
+  from test_serve import serving
+  path = embedded_dense[4]
+  prompt = "def parse_args(argv):\n    "
+  with glmjax.load(path, progress=False) as m:
+    assert m.engine.all_resident and m.weights.layers[0].attn.q_b.bits == 4
+    ids = m.tokenizer.encode(prompt)
+    logits, plain = m.score(np.array([ids])), m.generate(ids, 12, stop_ids=[]).tokens
+  total = store_geometry(path)["expert_bytes_total"]
+  with glmjax.load(path, progress=False, device_cache_gb=0.3 * total / GiB,
+                   host_cache_gb=2 * total / GiB) as m:
+    eng = m.engine
+    assert not eng.all_resident
+    eng.warm_host()
+    spec = m.generate(ids, 12, stop_ids=[], draft=3)
+    assert spec.tokens == plain and spec.stats["draft_proposed"] > 0
+    np.testing.assert_array_equal(m.score(np.array([ids])), logits)
+    assert eng.telemetry().get("fused_steps", 0) > 0
+    app = create_app(m, max_batch=2, max_queue=2)
+    with serving(app) as port:
+      client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                             max_retries=0)
+      got = client.completions.create(model=app.state.model_name, prompt=prompt,
+                                      max_tokens=8, temperature=0)
+    want = m.generate(prompt, 8).text
+    assert got.choices[0].text == want
 
 
 def test_mtp_own_head_follows_the_head_recipe(tmp_path):
