@@ -1,4 +1,5 @@
-"""The public grouped int4/int8 MoE op and its backend choice."""
+"""The public grouped int4/int8 MoE op, the dense quantized matmul built on the same kernel,
+and their backend choice."""
 
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ def _pow2_ceil(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def _matmul_spec(parts: int, n: int, k_groups: int, block_n: int, group: int, bits: int,
+                 rows: int, config: tuning.BlockConfig, platform: str) -> _backend.MatmulSpec:
+  """One launch's spec: the config's tiling fitted to an `[n, k_groups · group]` matrix."""
+  halves = 2 if bits == 4 else 1
+  tiling = tuning.fit(block_n, config.block_k, n, k_groups, group, platform)
+  mode = config.mode
+  if min(tiling.block_n, tiling.groups * group // halves) < 16:
+    mode = "fma"  # GPU dots need every dim >= 16; fma handles any rows
+  return _backend.MatmulSpec(
+      parts=parts, n=n, k_groups=k_groups, width=group // halves, bits=bits, rows=rows,
+      tiling=tiling, mode=mode, precision=config.precision,
+      num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "interpret", "flavour", "config", "platform"))
 def _pallas_moe(x, pool, slot_ids, weights, *, interpret,
@@ -75,15 +90,7 @@ def _pallas_terms(x, pool, slot_ids, *, interpret, flavour,
                            platform=platform)
 
   def spec(parts, n, k_padded, block_n):
-    kg = k_padded // g
-    tiling = tuning.fit(block_n, config.block_k, n, kg, g, platform)
-    mode = config.mode
-    if min(tiling.block_n, tiling.groups * g // halves) < 16:
-      mode = "fma"  # GPU dots need every dim >= 16; fma handles any rows
-    return _backend.MatmulSpec(
-        parts=parts, n=n, k_groups=kg, width=g // halves, bits=bits, rows=rx,
-        tiling=tiling, mode=mode, precision=config.precision,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    return _matmul_spec(parts, n, k_padded // g, block_n, g, bits, rx, config, platform)
 
   slot_ids = jnp.clip(slot_ids, 0, pool.num_slots - 1)
   with jax.named_scope("dedupe"):
@@ -108,8 +115,8 @@ def _reference_jit(x, pool, slot_ids, weights):
   return xla.grouped_moe_reference(x, pool, slot_ids, weights)
 
 
-def _pallas_settings(x, pool, plat, interpret, flavour, config):
-  """Resolves (interpret, flavour, config) for the Pallas path and checks what it needs."""
+def _interpret_flavour(plat: str, interpret: bool | None, flavour: str | None):
+  """(interpret, flavour): interpreted on CPU, "pointer" compiled on GPU, else "prefetch"."""
   if interpret is None:
     interpret = plat == "cpu"
   if not interpret and plat == "cpu":
@@ -119,6 +126,12 @@ def _pallas_settings(x, pool, plat, interpret, flavour, config):
   if flavour not in _backend.FLAVOURS:
     raise ValueError(
         f"flavour: expected one of {tuple(_backend.FLAVOURS)}, got {flavour!r}")
+  return interpret, flavour
+
+
+def _pallas_settings(x, pool, plat, interpret, flavour, config):
+  """Resolves (interpret, flavour, config) for the Pallas path and checks what it needs."""
+  interpret, flavour = _interpret_flavour(plat, interpret, flavour)
   g = pool.gate_up.group_size
   if not interpret and (g & (g - 1) or g < 4):
     # Triton tensors must have power-of-two sizes; groups are loaded whole.
@@ -194,3 +207,72 @@ def grouped_moe(x, pool, slot_ids, weights, *,
   interpret, flavour, config = _pallas_settings(x, pool, plat, interpret, flavour, config)
   return _pallas_moe(x, pool, slot_ids, weights, interpret=interpret,
                      flavour=flavour, config=config, platform=plat)
+
+
+# Rows at most this many go through the Pallas kernel (decode and MTP verify): every row of a
+# block is held at once, as for the experts. More rows (prefill chunks) are compute-bound, so
+# XLA dequantizes and dots: the weight is read once for all of them.
+DENSE_PALLAS_ROWS = 32
+
+
+def dense_backend(backend: str, platform: str, rows: int, q) -> str:
+  """"auto": XLA on CPU (Pallas only interprets there), for more than ``DENSE_PALLAS_ROWS``
+  rows, and for matrices the compiled kernel cannot address (a group size that is not a power
+  of two, or 2³¹ packed elements and more: Triton's int32 offsets); Pallas otherwise."""
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+  if backend == "auto":
+    g = q.group_size
+    fits = g >= 4 and not g & (g - 1) and q.packed.size < 2**31
+    return "pallas" if platform != "cpu" and rows <= DENSE_PALLAS_ROWS and fits else "xla"
+  return backend
+
+
+def _dense_xla(x, q):
+  """x @ dequantize(q)ᵀ: XLA dequantizes the whole matrix, then dots in float32."""
+  w = xla.dequantize(q)  # [O, K]
+  return jnp.einsum("ri,oi->ro", x, w)  # default precision, as for float32 weights
+
+
+def _dense_pallas(x, q, *, interpret, flavour, config, platform):
+  """The grouped kernel with one expert of one part: the dense matrix as slot 0."""
+  r, o = x.shape[0], q.packed.shape[0]
+  g, bits = q.group_size, q.bits
+  halves = 2 if bits == 4 else 1
+  kg = q.scales.shape[-1]
+  kp = kg * g
+  rx = r if config.mode == "fma" else max(16, _pow2_ceil(r))
+  spec = _matmul_spec(1, o, kg, config.block_n_down, g, bits, rx, config, platform)
+  xf = jnp.pad(x, ((0, rx - r), (0, 0)))  # [Rx, K]
+  xs = _split_halves(xf[None], kp, g, halves)  # [1, Rx, KG, W] each
+  w = q.packed.reshape(1, 1, o, kg, -1)
+  s = q.scales.reshape(1, 1, o, kg)
+  one = jnp.zeros((1,), jnp.int32)
+  call = _backend.FLAVOURS[flavour]
+  y = call(spec, xs, w, s, one, one + 1, interpret=interpret, platform=platform)
+  return y[0, :r]
+
+
+def dense_matmul(x, q, *, backend: str = "auto", interpret: bool | None = None,
+                 flavour: str | None = None, config: tuning.BlockConfig | None = None):
+  """``x @ wᵀ`` for a quantized dense matrix ``q`` (a QArray-like with packed ``[O, Kp(/2)]``,
+  scales ``[O, KG]``, bits, group_size, in_features): ``x [..., K]`` -> ``[..., O]`` float32.
+
+  Pallas: the grouped MoE kernel's body with the matrix as the only expert of one part
+  (dequantized in registers one step of groups at a time, float32 accumulation). XLA:
+  dequantize, then a float32 dot. ``backend="auto"`` picks by platform and rows
+  (`dense_backend`). Traceable inside a caller's jit."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  if q.packed.ndim != 2 or k != q.in_features:
+    raise ValueError(f"dense_matmul: x [..., {k}] against a [O, {q.in_features}] matrix with "
+                     f"packed shape {tuple(q.packed.shape)}")
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  plat = common.platform()
+  if dense_backend(backend, plat, x2.shape[0], q) == "xla":
+    y = _dense_xla(x2, q)
+  else:
+    interpret, flavour = _interpret_flavour(plat, interpret, flavour)
+    if config is None:
+      config = tuning.lookup(x2.shape[0], k, q.packed.shape[0], q.bits, q.group_size)
+    y = _dense_pallas(x2, q, interpret=interpret, flavour=flavour, config=config, platform=plat)
+  return y.reshape(*lead, q.packed.shape[0])

@@ -1,11 +1,13 @@
-"""Dense weight formats on the CPU, side by side (issue 28): matvec speed and decode tok/s.
+"""Dense weight formats side by side (issue 28): matvec speed and decode tok/s.
 
   python scripts/bench_dense.py --json=/tmp/dense.json [--vocab_size=16384 --head_rows=16384]
 
 1. Matvec (T = 1, `layers.linear` under jit, as the model calls it) at GLM-5's dims: q_b, kv_b,
    o, the shared expert's gate_up and down, and a `--head_rows` slice of lm_head, for float32
-   (XLA's dot), bfloat16, int8 and int4 (G = 64; the numba dense kernel on the CPU platform).
-   Median ms over `--reps` calls and the weight bytes read per second.
+   (XLA's dot), bfloat16, int8 and int4 (G = 64; the numba dense kernel on the CPU platform,
+   the Pallas dense kernel on an accelerator, where "int8 xla" and "int4 xla" add XLA's
+   dequantize-then-dot beside it). Median ms over `--reps` calls and the weight bytes read per
+   second.
 2. Decode on synthetic GLM-5-geometry stores (one dense and one MoE layer, `--experts` routed
    experts, `--vocab_size`, no MTP; `make_synthetic_store`), written under `--work` and deleted
    afterwards: bf16 stored (loaded as float32 and as bfloat16 dense weights), `dense_bits=8`
@@ -17,6 +19,7 @@ Issue 28's targets: int8 dense decode >= 2x float32, int4 >= 3x, bfloat16 >= flo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -76,26 +79,31 @@ def _median_ms(f, *args, reps):
 
 def matvec_table(cfg, head_rows, reps):
   """{matrix: {format: {ms, gb_s, mb}}} and the summed ms per format (one decode step's
-  worth of these matrices)."""
+  worth of these matrices). On an accelerator `linear` runs int8/int4 through the Pallas dense
+  kernel; the rows "int8 xla" and "int4 xla" time XLA's dequantize-then-dot beside it."""
   import jax
   import numpy as np
   from glmjax.model.layers import linear
   from glmjax.model.weights import nbytes
+  from pallas_kernels import ops
   rng = np.random.default_rng(0)
-  f = jax.jit(linear)
+  kernels = [(fmt, fmt, jax.jit(linear)) for fmt in FORMATS]
+  if jax.default_backend() != "cpu":
+    xla = jax.jit(functools.partial(ops.dense_matmul, backend="xla"))
+    kernels += [(f"{fmt} xla", fmt, xla) for fmt in ("int8", "int4")]
   out = {}
   for name, (o, i) in _matrices(cfg, head_rows).items():
     w = (rng.standard_normal((o, i), np.float32) / np.float32(np.sqrt(i)))
     x = jax.numpy.asarray(rng.standard_normal((1, i), np.float32))
     out[name] = {}
-    for fmt in FORMATS:
+    for label, fmt, f in kernels:
       wf = _as_format(w, fmt)
       ms = _median_ms(f, x, wf, reps=reps)
       mb = nbytes(wf) / 1e6
-      out[name][fmt] = {"ms": round(ms, 3), "gb_s": round(mb / ms, 2), "mb": round(mb, 1)}
+      out[name][label] = {"ms": round(ms, 3), "gb_s": round(mb / ms, 2), "mb": round(mb, 1)}
       del wf
-      print(f"  {name:>18} {fmt:>8}: {ms:8.2f} ms {mb / ms:6.1f} GB/s", flush=True)
-  total = {fmt: round(sum(r[fmt]["ms"] for r in out.values()), 2) for fmt in FORMATS}
+      print(f"  {name:>18} {label:>8}: {ms:8.2f} ms {mb / ms:6.1f} GB/s", flush=True)
+  total = {label: round(sum(r[label]["ms"] for r in out.values()), 2) for label, _, _ in kernels}
   return out, total
 
 
@@ -144,7 +152,7 @@ def main(argv):
     report["matvec"] = table
     report["matvec_total_ms"] = total
     report["matvec_speedup_vs_float32"] = {f: round(total["float32"] / total[f], 2)
-                                           for f in FORMATS}
+                                           for f in total}
   if FLAGS.decode:
     work = FLAGS.work or tempfile.mkdtemp(prefix="bench_dense.", dir="/tmp")
     try:

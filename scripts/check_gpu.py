@@ -12,7 +12,11 @@ interpret mode). Writes one JSON report, in under 8 minutes on one H200:
 5. bench_decode.py on a small synthetic store of GLM-5's real geometry (cold decode against its
    physical limit);
 6. bench_experts.py at GLM-5 expert dims: the Pallas decode matvec (GB/s, fraction of HBM) and
-   grouped T = 16 / 128 / 1024 beside the host's numba kernel and DRAM bandwidth.
+   grouped T = 16 / 128 / 1024 beside the host's numba kernel and DRAM bandwidth;
+7. quantized dense weights (issue 28): the compiled Pallas dense kernel against the float64
+   loop, and bench_dense.py's matvec table at GLM-5's dims (float32, bfloat16, int8 and int4
+   through `layers.linear`, int8/int4 also through XLA's dequantize-then-dot) to say whether
+   the Pallas kernel measures faster (`dense_pallas_faster`).
 
 Each check records its own failure instead of stopping the run.
 """
@@ -69,6 +73,43 @@ def kernel_checks() -> list[dict]:
         row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
       rows.append(row)
   return rows
+
+
+def dense_kernel_checks() -> list[dict]:
+  """The compiled Pallas dense kernel (`ops.dense_matmul`) against the suite's float64 loop."""
+  import jax.numpy as jnp
+  import numpy as np
+  sys.path.insert(0, os.path.join(ROOT, "tests"))
+  from pallas_kernels import ops
+  from test_dense_pallas import DOT, FMA, dequantized, matrix, reference, rel_err
+  rows = []
+  for name, config in (("default", None), ("fma", FMA), ("dot", DOT)):
+    for bits, group, r in ((4, 64, 1), (4, 64, 4), (8, 64, 3), (4, 32, 16)):
+      row = {"config": name, "bits": bits, "group": group, "rows": r}
+      try:
+        q = matrix(bits, group)
+        x = np.random.default_rng(r).standard_normal((r, q.in_features)).astype(np.float32)
+        got = ops.dense_matmul(jnp.asarray(x), q, backend="pallas", config=config)
+        err = rel_err(got, reference(x, dequantized(q)))
+        row.update(rel_err=err, ok=err < RTOL)
+      except Exception as e:  # report, keep going
+        row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+      rows.append(row)
+  return rows
+
+
+def dense_bench(workdir: str) -> dict:
+  """bench_dense.py's matvec table on this accelerator; Pallas vs XLA per quantized format."""
+  out = os.path.join(workdir, "bench_dense.json")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_dense.py"),
+                      f"--json={out}", "--decode=false"], capture_output=True, text=True)
+  report = {"returncode": r.returncode, "stderr_tail": r.stderr[-2000:]}
+  if r.returncode == 0:
+    report["bench"] = json.load(open(out))
+    total = report["bench"]["matvec_total_ms"]
+    report["dense_pallas_faster"] = {f: total[f] < total[f"{f} xla"] for f in ("int8", "int4")
+                                     if f"{f} xla" in total}  # accelerators only
+  return report
 
 
 def placement_checks(store: str | None = None) -> list[dict]:
@@ -189,6 +230,8 @@ def main(argv):
   except Exception as e:  # report, keep going
     report["decode"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
   report["experts"] = experts_check(os.path.dirname(os.path.abspath(FLAGS.out)))
+  report["dense_kernels"] = dense_kernel_checks()
+  report["dense"] = dense_bench(os.path.dirname(os.path.abspath(FLAGS.out)))
   report["elapsed_s"] = time.time() - report.pop("started")
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=1)
@@ -197,7 +240,9 @@ def main(argv):
   print(json.dumps({"kernels_ok": ok, "placement_ok": placement_ok, "bench_rc": r.returncode,
                     "model_rc": t.returncode, "decode_ok": report["decode"].get("ok"),
                     "decode_ratio": report["decode"].get("report", {}).get("ratio"),
-                    "experts_ok": report["experts"]["ok"]}))
+                    "experts_ok": report["experts"]["ok"],
+                    "dense_kernels_ok": all(k["ok"] for k in report["dense_kernels"]),
+                    "dense_pallas_faster": report["dense"].get("dense_pallas_faster")}))
 
 
 if __name__ == "__main__":

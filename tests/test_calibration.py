@@ -20,7 +20,7 @@ from glmjax.formats.convert import convert
 from glmjax.model import forward
 from glmjax.model.quant import ExpertPool, dequantize
 from glmjax.replay import quality
-from glmjax.replay.calibration import Accumulator, stats_fn
+from glmjax.replay.calibration import Accumulator, collect, stats_fn
 from hf_reference import make_hf
 
 CFG = dict(n_routed_experts=8, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=32,
@@ -124,6 +124,34 @@ def test_statistics_equal_numpy_over_the_routed_tokens(kind, float_model, rtn_st
                                atol=1e-6 * np.abs(want[key]).max(), err_msg=key)
   if kind == "store":  # the quantized model's statistics, not the float model's
     assert not np.allclose(got["down_sq"], _stats(float_model)["down_sq"], rtol=1e-4)
+
+
+def test_layer_sequential_statistics_are_the_gptq_stores_inputs(src, float_model, tmp_path):
+  """Layer-sequential calibration (the default): the first MoE layer's statistics are the float
+  model's; every layer's input statistics (count, Σx², Σxᵀx) are those a plain pass measures
+  on the store `convert --quant=gptq` writes from them, so the earlier layers were quantized
+  exactly as the converter quantizes them; after the first layer they are not the float
+  model's."""
+  toks, valid = _batch()
+  rows = [(toks[i], int(valid[i]), True) for i in range(len(toks))]
+  seq_sums = collect(float_model, rows, len(rows), gram=True, progress=False)
+  plain = collect(float_model, rows, len(rows), gram=True, progress=False, sequential=False)
+  assert len(float_model.moe_layers) == 2
+  for key in calibration.KEYS:
+    np.testing.assert_array_equal(seq_sums[key][0], plain[key][0], err_msg=key)
+  stats = str(tmp_path / "stats")
+  calibration.save(stats, seq_sums, {"moe_layers": float_model.moe_layers,
+                                     "min_tokens": calibration.MIN_TOKENS})
+  convert(src, str(tmp_path / "gptq"), quant="gptq", calibration=stats, dense_dtype="float32",
+          progress=False)  # float32 dense: the same routing as the float model
+  with glmjax.load(str(tmp_path / "gptq"), progress=False) as store:
+    on_store = collect(store, rows, len(rows), gram=True, progress=False, sequential=False)
+  np.testing.assert_array_equal(on_store["count"], seq_sums["count"])
+  for key in ("gate_up_sq", "gate_up_gram"):
+    want = seq_sums[key]
+    np.testing.assert_allclose(on_store[key], want, rtol=2e-5, atol=1e-6 * np.abs(want).max(),
+                               err_msg=key)
+  assert not np.allclose(seq_sums["gate_up_gram"][1], plain["gate_up_gram"][1], rtol=1e-3)
 
 
 @pytest.mark.parametrize("quant", ["imatrix", "gptq"])

@@ -128,10 +128,15 @@ class Calibration:
 
   def expert(self, layer: int, e: int) -> dict:
     """The statistics used for expert `e` of MoE layer `layer` (its own, or the fallback)."""
-    r = self.moe_layers.index(layer)
-    if self.arrays["count"][r, e] >= self.min_tokens:
-      return {k: a[r, e] for k, a in self.arrays.items()}
-    return {k: a[r].sum(0) for k, a in self.arrays.items()}
+    return expert_statistics(self.arrays, self.moe_layers.index(layer), e, self.min_tokens)
+
+
+def expert_statistics(arrays: dict, r: int, e: int, min_tokens: int = MIN_TOKENS) -> dict:
+  """Expert `e` of the `r`-th MoE layer's statistics from `[L, E, ...]` sums: its own, or, when
+  it was routed fewer than `min_tokens` tokens, its layer's pooled ones (the fallback rule)."""
+  if arrays["count"][r, e] >= min_tokens:
+    return {k: a[r, e] for k, a in arrays.items()}
+  return {k: a[r].sum(0) for k, a in arrays.items()}
 
 
 def quantize_matrix(w: np.ndarray, method: str, stats: dict, part: str, bits: int,

@@ -49,8 +49,9 @@ def linear(x, w):
 
   float32 weights: XLA's dot. On the CPU platform, a QArray or bfloat16 matrix goes to the
   numba dense kernel (custom call; the weight is read as stored, accumulated in float32, each
-  output row bitwise independent of the token count). On accelerators: XLA dequantizes, then
-  dots in float32.
+  output row bitwise independent of the token count). On accelerators a QArray goes to
+  `pallas_kernels.ops.dense_matmul` (the Pallas grouped kernel for up to 32 rows: decode and
+  verify; XLA's dequantize-then-dot for prefill chunks).
   """
   if host_kernels() and (isinstance(w, QArray) and w.packed.ndim == 2
                          or not isinstance(w, QArray) and w.ndim == 2 and w.dtype == jnp.bfloat16):
@@ -60,6 +61,9 @@ def linear(x, w):
       return cpu_dense_ffi.matmul_xla(x, w.packed, w.scales, bits=w.bits,
                                       group_size=w.group_size, in_features=w.in_features)
     return cpu_dense_ffi.matmul_xla(x, w, bits=cpu_dense.BF16, in_features=w.shape[1])
+  if isinstance(w, QArray) and w.packed.ndim == 2:
+    from pallas_kernels import ops
+    return ops.dense_matmul(x, w)
   return jnp.einsum("...i,oi->...o", x, as_f32(w))
 
 

@@ -95,15 +95,77 @@ class Accumulator:
       self.sums[k] = v if k not in self.sums else self.sums[k] + v
 
 
+def gptq_layer(weights, layer: int, r: int, sums: dict, min_tokens: int, bits: int,
+               group_size: int):
+  """`weights` (a float model's) with MoE layer `layer`'s routed experts replaced by their
+  `--quant=gptq` quantization under the `r`-th layer's statistics in `sums` (dequantized back
+  to float32: the quantized model's numbers), exactly as `convert.py` quantizes them."""
+  from glmjax.formats.calibration import expert_statistics, quantize_matrix
+  from glmjax.replay.quality import with_layer
+  ex = weights.layers[layer].mlp.experts
+  parts = {}
+  for name in ("gate_up", "down"):
+    mats = np.asarray(getattr(ex, name), np.float32)  # [E, O, K]
+    parts[name] = jnp.asarray(np.stack([
+        np.asarray(dequantize(quantize_matrix(
+            mats[e], "gptq", expert_statistics(sums, r, e, min_tokens), name, bits,
+            group_size)), np.float32) for e in range(mats.shape[0])]))
+  return with_layer(weights, layer, type(ex)(**parts))
+
+
+def collect(model, rows: list, batch: int, gram: bool, progress: bool = True,
+            sequential: bool = True, bits: int = 4, group_size: int = 64) -> dict:
+  """The float64 sums `[L, E, ...]` over `rows` ((tokens `[seq]`, real length, last) as
+  `corpus.rows_of` gives them), `batch` rows per forward pass; layer-sequential when
+  `sequential` (see `calibrate`)."""
+  from tqdm import tqdm
+  from glmjax.formats import calibration
+  cfg, moe_layers, put = model.config, model.moe_layers, model.runner.put
+  seq = len(rows[0][0])
+  passes = len(moe_layers) if sequential else 1
+  with tqdm(total=sum(r[1] for r in rows) * passes, unit="tok", unit_scale=True,
+            disable=not progress,
+            desc="calibrating" + (f" ({passes} layer-sequential passes)" if sequential else "")
+            ) as bar:
+
+    def one_pass(weights) -> dict:
+      acc = Accumulator()
+      for b in range(0, len(rows), batch):
+        toks = np.zeros((batch, seq), np.int32)
+        valid = np.zeros(batch, np.int32)
+        for r, (row, length, _) in enumerate(rows[b:b + batch]):
+          toks[r], valid[r] = row, length
+        acc.add(stats_fn(weights, put(toks), put(valid), put(0, jnp.int32), cfg=cfg,
+                         gram=gram, kernel=model.options.moe_kernel))
+        bar.update(int(valid.sum()))
+      return acc.sums
+
+    sums = one_pass(model.weights)
+    weights = model.weights
+    for r in range(1, passes):  # layer r's statistics from the pass after layer r-1 is quantized
+      weights = gptq_layer(weights, moe_layers[r - 1], r - 1, sums, calibration.MIN_TOKENS,
+                           bits, group_size)
+      later = one_pass(weights)
+      for k in sums:
+        sums[k][r:] = later[k][r:]
+  return sums
+
+
 def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, seq: int = 512,
-              gram: bool | None = None, progress: bool = True) -> tuple[dict, dict]:
+              gram: bool | None = None, progress: bool = True, sequential: bool = True,
+              bits: int = 4, group_size: int = 64) -> tuple[dict, dict]:
   """Runs `model` (a resident `glmjax.Model`: float checkpoint or expert store) teacher-forced
   over `texts` (each one sequence, cut into rows of `seq`; `max_tokens` positions at most,
   0 = all) in batches of `batch` rows. Returns (float64 sums `[L, E, ...]`, meta).
-  `gram=None` keeps the Gram matrices when they fit `formats.calibration.GRAM_LIMIT`."""
-  from tqdm import tqdm
+  `gram=None` keeps the Gram matrices when they fit `formats.calibration.GRAM_LIMIT`.
+
+  `sequential` (a float checkpoint with Grams only; GPTQ's sequential mode): each MoE layer's
+  statistics are taken with the MoE layers before it already quantized by gptq at `bits` and
+  `group_size` from their own statistics, as `convert.py --quant=gptq` will quantize them, so
+  each layer is calibrated on the inputs the quantized model gives it. One forward pass per
+  MoE layer instead of one."""
   from glmjax.errors import InputError
-  from glmjax.formats import calibration, corpus
+  from glmjax.formats import calibration, corpus, store
   if model.offloaded:
     raise InputError(f"{model.path}: its experts do not all fit in memory; calibration runs the "
                      "resident jitted forward (a layer-by-layer pass is not built)")
@@ -114,6 +176,8 @@ def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, 
   size = calibration.gram_bytes(len(moe_layers), cfg.n_routed_experts, cfg.hidden_size,
                                 cfg.moe_intermediate_size)
   gram = size <= calibration.GRAM_LIMIT if gram is None else gram
+  # A store's experts are quantized already; without Grams there is no gptq to run.
+  sequential = sequential and gram and not store.is_store(model.path) and len(moe_layers) > 1
   sequences, total = [], 0
   for t in texts:  # only as much of the corpus as is read
     if max_tokens and total >= max_tokens:
@@ -122,22 +186,13 @@ def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, 
     total += len(sequences[-1])
   n = min(total, max_tokens) if max_tokens else total
   rows = list(corpus.rows_of(sequences, seq, n))
-  put = model.runner.put
-  acc = Accumulator()
-  with tqdm(total=n, unit="tok", unit_scale=True, desc="calibrating", disable=not progress) as bar:
-    for b in range(0, len(rows), batch):
-      group = rows[b:b + batch]
-      toks = np.zeros((batch, seq), np.int32)
-      valid = np.zeros(batch, np.int32)
-      for r, (row, length, _) in enumerate(group):
-        toks[r], valid[r] = row, length
-      acc.add(stats_fn(model.weights, put(toks), put(valid), put(0, jnp.int32), cfg=cfg,
-                       gram=gram, kernel=model.options.moe_kernel))
-      bar.update(int(valid.sum()))
-  count = acc.sums["count"]
+  sums = collect(model, rows, batch, gram, progress, sequential, bits, group_size)
+  count = sums["count"]
   meta = {"tokens": n, "max_tokens": max_tokens, "batch": batch, "seq": seq, "gram": gram,
           "moe_layers": moe_layers, "n_experts": cfg.n_routed_experts, "hidden": cfg.hidden_size,
           "intermediate": cfg.moe_intermediate_size, "min_tokens": calibration.MIN_TOKENS,
           "fallback_experts": int((count < calibration.MIN_TOKENS).sum()),
-          "min_expert_tokens": int(count.min())}
-  return acc.sums, meta
+          "min_expert_tokens": int(count.min()),
+          "sequential": ({"method": "gptq", "bits": bits, "group_size": group_size}
+                         if sequential else None)}
+  return sums, meta
