@@ -70,6 +70,8 @@ holds it (~0.4 s to load).
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -121,10 +123,26 @@ def _c_array(a, dtype) -> bool:
   return isinstance(a, types.Array) and a.layout == "C" and a.dtype == dtype
 
 
+# A diagnostic switch, read at import: every vector load and store (the only unchecked
+# accesses: numba's own indexing has NUMBA_BOUNDSCHECK) traps (SIGILL, so faulthandler names
+# the call) when its elements are not all inside the array. Compiled code is cached by source,
+# not by this switch: use it with an empty NUMBA_CACHE_DIR.
+VECTOR_BOUNDSCHECK = os.environ.get("PALLAS_KERNELS_VECTOR_BOUNDSCHECK", "") == "1"
+
+
 def _elem_ptr(context, builder, arrty, arr, idx, idxty, elem_ty):
   """Pointer to flat element `idx` of a C-contiguous array, as `elem_ty*`."""
   a = context.make_array(arrty)(context, builder, arr)
   i = context.cast(builder, idx, idxty, types.intp)
+  if VECTOR_BOUNDSCHECK:
+    span = max(1, context.get_abi_sizeof(elem_ty)
+               // context.get_abi_sizeof(context.get_data_type(arrty.dtype)))
+    end = builder.add(i, ir.Constant(i.type, span))
+    bad = builder.or_(builder.icmp_signed("<", i, ir.Constant(i.type, 0)),
+                      builder.icmp_signed(">", end, a.nitems))
+    with builder.if_then(bad, likely=False):
+      trap = builder.module.declare_intrinsic("llvm.trap", fnty=ir.FunctionType(ir.VoidType(), []))
+      builder.call(trap, [])
   return builder.bitcast(builder.gep(a.data, [i]), elem_ty.as_pointer())
 
 

@@ -25,6 +25,11 @@ def pytest_configure(config):
   a torn entry read by another worker is a cache miss (JAX warns and compiles). The process
   that made the directory (xdist's controller, which starts the workers after this hook)
   removes it at the end."""
+  if getattr(config.option, "maxworkerrestart", "") is None:
+    # A worker that dies (a segfault) fails its test and ends the run at once. With restarts
+    # (xdist's default) `--dist loadfile` can wait forever for the replacement worker
+    # (pytest-xdist #784, #1323, #1327: still so in 3.8.0), and CI would only time out.
+    config.option.maxworkerrestart = 0
   if hasattr(config.option, "loadscopereorder"):
     # xdist would hand out files by their number of tests, most first (its default); the
     # suite's own order (HEAVY_FIRST, below) is the one that keeps a long file off the end.

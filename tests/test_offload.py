@@ -179,9 +179,14 @@ def test_stalled_read_times_out(store):
   never = threading.Event()
   model.engine.reader.read_fn = lambda layer, expert: never.wait() and None
   t0 = time.perf_counter()
-  with pytest.raises(ExpertIOError, match=r"layer \d+ expert \d+ did not complete within 0.5 s"):
-    model.score(tokens(1, 1, 5))
-  assert time.perf_counter() - t0 < 10
+  try:
+    with pytest.raises(ExpertIOError,
+                       match=r"layer \d+ expert \d+ did not complete within 0.5 s"):
+      model.score(tokens(1, 1, 5))
+    assert time.perf_counter() - t0 < 10
+  finally:  # the stalled reads return, so the engine's threads end with the model
+    never.set()
+    model.close()
 
 
 def test_budget_refusals(store):
