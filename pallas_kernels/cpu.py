@@ -78,6 +78,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
+from pallas_kernels import numba_cache
+
+numba_cache.install()  # before the first cached compile (see numba_cache: a race between processes)
+
 __all__ = ["expert_ffn", "pool_terms", "pool_terms_jax", "LANES"]
 
 LANES = 16  # float32 lanes per vector chunk

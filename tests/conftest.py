@@ -51,7 +51,7 @@ def pytest_configure(config):
 
 # Compiles the CPU kernels' Python entry points for both decoders (int4 and int8, odd sizes),
 # their decode (matvec) and grouped variants.
-_WARM_KERNELS = """
+_WARM_EXPERT_KERNELS = """
 import numpy as np
 from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
@@ -73,27 +73,45 @@ from pallas_kernels import cpu_ffi
 cpu_ffi.self_test()
 """
 
+# The dense kernels and their custom call (int4, int8, bf16; matmul and kv_b heads), and the
+# quantizer for the weight dtypes the converters read (float64 compiles above).
+_WARM_DENSE_KERNELS = """
+import ml_dtypes
+import numpy as np
+from glmjax.formats.quantize import quantize
+from pallas_kernels import cpu_dense_ffi
+cpu_dense_ffi.self_test()
+rng = np.random.default_rng(0)
+for dtype in (np.float32, ml_dtypes.bfloat16):
+  quantize(rng.standard_normal((4, 64)).astype(dtype), 4, 32)
+"""
+
 
 def _start_kernel_warmup():
   """Compiles the numba CPU kernels into numba's on-disk cache (`cache=True`) once per run, in
-  a background process that xdist's workers start and collect beside; each worker waits for
-  it before its first test (`_cpu_kernels_compiled`). On a fresh clone both workers and the
-  first scripts would otherwise each compile them (~25 s of a core each) at the same time. The
-  outcome is a file in GLMJAX_TEST_WARMUP: `ready`, or `failed` holding the process's errors."""
+  two background processes (expert and dense kernels, one per core) that xdist's workers start
+  and collect beside; each worker waits for them before its first test
+  (`_cpu_kernels_compiled`). On a fresh clone both workers and the first scripts would otherwise
+  each compile them (~30 s of a core for the expert kernels, ~45 s for the dense ones) at the
+  same time. The two share helper functions; `pallas_kernels.numba_cache`'s lock keeps the
+  cache consistent. The outcome is a file in GLMJAX_TEST_WARMUP: `ready`, or `failed` holding
+  the processes' errors."""
   import subprocess
   import sys
   import threading
   marks = tempfile.mkdtemp(prefix="glmjax-test-warmup-")
   os.environ["GLMJAX_TEST_WARMUP"] = marks
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.Popen([sys.executable, "-c", _WARM_KERNELS], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  procs = [subprocess.Popen([sys.executable, "-c", script], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           for script in (_WARM_EXPERT_KERNELS, _WARM_DENSE_KERNELS)]
 
   def wait():
-    _, err = proc.communicate()
-    name = "failed" if proc.returncode else "ready"
+    errs = [p.communicate()[1] for p in procs]
+    failed = any(p.returncode for p in procs)
+    name = "failed" if failed else "ready"
     with open(os.path.join(marks, name + ".tmp"), "w") as f:
-      f.write(err if proc.returncode else "")
+      f.write("\n".join(e for p, e in zip(procs, errs) if p.returncode) if failed else "")
     os.replace(os.path.join(marks, name + ".tmp"), os.path.join(marks, name))
 
   threading.Thread(target=wait, daemon=True).start()

@@ -112,6 +112,8 @@ def _kernel():
   """The compiled row kernel (numba is imported on first use; builds are cached on disk)."""
   if not _KERNEL:
     import numba
+    from pallas_kernels import numba_cache
+    numba_cache.install()  # processes that compile at once keep numba's cache consistent
     _KERNEL.append(numba.njit(nogil=True, cache=True)(_quantize_rows))
   return _KERNEL[0]
 

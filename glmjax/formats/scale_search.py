@@ -10,6 +10,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pallas_kernels import numba_cache
+
+numba_cache.install()  # processes that compile at once keep numba's cache consistent
+
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def best_scales(wg, a, cands, qmin, qmax):
