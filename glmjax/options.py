@@ -15,9 +15,13 @@ from glmjax.errors import InputError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPES = ("auto", *_DTYPES)
-# dtype="auto" on a CPU: the float dense format whose matmuls measured fastest there
-# (BUILD_NOTES §22). Quantized dense leaves stay as the store holds them whatever the dtype.
-CPU_AUTO_DTYPE = "float32"
+# dtype="auto" on a CPU, by the weights' stored float dtype: bfloat16 weights stay bfloat16 (the
+# numba kernel reads them exactly, accumulates in float32, and decoded 1.09-1.25x float32's in
+# six quiet runs, at half the memory: BUILD_NOTES §22); anything else loads as float32 (float32
+# weights are never rounded; float16 has no CPU kernel). Quantized dense leaves stay as the
+# store holds them whatever the dtype.
+CPU_AUTO_DTYPES = {"bfloat16": "bfloat16"}
+CPU_FALLBACK_DTYPE = "float32"
 MAX_PREFILL_CHUNK = 1 << 16
 DEFAULT_PREFILL_CHUNK = 1024  # BUILD_NOTES §19: prefill speed and memory by chunk size
 
@@ -28,9 +32,10 @@ class Options:
 
   Attributes:
     dtype: storage dtype of the float dense weights ("float32", "bfloat16", "float16", or
-      "auto": the checkpoint's or store's own float dtype on an accelerator, and on a CPU
-      `CPU_AUTO_DTYPE`, the measured fastest). Activations and accumulation are float32
-      regardless; a store's int8/int4 dense leaves stay quantized.
+      "auto": the checkpoint's or store's own float dtype on an accelerator; on a CPU
+      bfloat16 for bfloat16 weights (the measured fastest, exact) and float32 for any other,
+      `CPU_AUTO_DTYPES`). Activations and accumulation are float32 regardless; a store's
+      int8/int4 dense leaves stay quantized.
     moe_kernel: quantized-expert kernel: "cpu" (numba, deterministic), "pallas", "xla", or
       "auto" (cpu on a CPU-only machine, pallas on GPU/TPU).
     expert_compute: where an offload store's host-cached and missed experts are computed:
@@ -64,8 +69,8 @@ class Options:
     prefill_chunk: a prompt longer than this is written into the KV cache chunk by chunk
       (0 = one piece; None = DEFAULT_PREFILL_CHUNK, chosen by measurement); bounds every
       step's temporaries.
-    kv_dtype: the KV cache's latent and rope-key dtype ("float32", "bfloat16"; "auto" = the
-      dense dtype, bfloat16 for float16 weights).
+    kv_dtype: the KV cache's latent and rope-key dtype ("float32", "bfloat16"; "auto" =
+      float32 on a CPU, elsewhere the dense dtype, bfloat16 for float16 weights).
     index_dtype: the cached indexer keys' dtype ("float32", "bfloat16", "float8"; "auto" =
       the KV dtype).
     prefix_cache: `generate` reuses the KV pages of prompt prefixes an earlier call prefilled
@@ -154,10 +159,18 @@ class Options:
   def resolve_dtype(self, stored: str, platform: str) -> "Options":
     """These options with dtype="auto" made concrete for weights `stored` in that float dtype
     on `platform` ("cpu", "gpu", "tpu"); a concrete dtype is kept."""
-    if self.dtype != "auto":
-      return self
-    name = CPU_AUTO_DTYPE if platform == "cpu" else stored
-    return dataclasses.replace(self, dtype=name if name in _DTYPES else "bfloat16")
+    opts = self
+    if platform == "cpu" and opts.kv_dtype == "auto":
+      # float32 KV whatever the weights: a bfloat16 cache added 1.5e-4 KL (BUILD_NOTES §19),
+      # and MLA's cache is small next to the weights.
+      opts = dataclasses.replace(opts, kv_dtype="float32")
+    if opts.dtype != "auto":
+      return opts
+    if platform == "cpu":
+      name = CPU_AUTO_DTYPES.get(stored, CPU_FALLBACK_DTYPE)
+    else:
+      name = stored if stored in _DTYPES else "bfloat16"
+    return dataclasses.replace(opts, dtype=name)
 
   @property
   def jnp_dtype(self):

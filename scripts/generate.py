@@ -53,8 +53,9 @@ flags.DEFINE_float("repetition_penalty", None, "Penalty on already-seen tokens (
 flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
-                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator, "
-                  "the fastest measured on a CPU (int8/int4 dense stores stay quantized).")
+                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator; on a "
+                  "CPU bfloat16 for bfloat16 weights, else float32 (int8/int4 dense stores stay "
+                  "quantized).")
 flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
                   "Quantized expert kernel: cpu (numba), pallas, xla; auto = cpu on a CPU-only "
                   "machine, pallas on an accelerator.")
@@ -67,7 +68,7 @@ flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (de
 flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this are prefilled chunk by "
                      "chunk (default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV cache dtype (auto = the dense dtype).")
+                  "KV cache dtype (auto: float32 on a CPU, else the dense dtype).")
 flags.DEFINE_enum("attention", "sparse", ["sparse", "dense"], "sparse: DSA attends to each "
                   "query's selected keys only; dense: every key, the selection as a mask "
                   "(the reference).")

@@ -42,8 +42,9 @@ flags.DEFINE_integer("max_batch", 4, "Requests decoded together (the batch's fix
 flags.DEFINE_integer("max_queue", 16, "Requests waiting for a batch row at most; more get 429.",
                      lower_bound=0)
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
-                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator, "
-                  "the fastest measured on a CPU (int8/int4 dense stores stay quantized).")
+                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator; on a "
+                  "CPU bfloat16 for bfloat16 weights, else float32 (int8/int4 dense stores stay "
+                  "quantized).")
 flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
                   "Quantized expert kernel: cpu (numba), pallas, xla; auto by platform.")
 flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
@@ -54,7 +55,7 @@ flags.DEFINE_float("kv_cache_gb", None, "KV cache budget of the batch, shared by
                    "(default: enough for --max_batch full contexts, at most a quarter of the "
                    "free memory). A request needing more than all of it gets a 400.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV cache dtype (auto = the dense dtype).")
+                  "KV cache dtype (auto: float32 on a CPU, else the dense dtype).")
 flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
                      "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorization: Bearer or "

@@ -12,6 +12,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -243,6 +244,25 @@ def test_dense_formats_kl_on_the_embedded_model(embedded_store, embedded_dense):
   added = {bits: kl(path) - base for bits, path in embedded_dense.items()}
   assert 0 < added[8] <= INT8_ADDED_MAX, added
   assert added[8] < added[4] <= INT4_ADDED_MAX, added
+
+
+def test_a_bf16_store_stays_bf16_on_a_cpu(embedded_store):
+  """dtype="auto" (the default) keeps a default store's bfloat16 dense weights bfloat16 on a
+  CPU (the numba kernel, float32 accumulation) with a float32 KV cache; the values equal a
+  float32 load's up to summation order, and greedy decoding agrees."""
+  from test_readme import heldout_tokens
+  with glmjax.load(embedded_store, progress=False) as m, \
+      glmjax.load(embedded_store, dtype="float32", progress=False) as f32:
+    assert (m.options.dtype, m.options.kv_dtype_name) == ("bfloat16", "float32")
+    assert m.weights.layers[0].attn.q_a.dtype == jnp.bfloat16
+    assert f32.weights.layers[0].attn.q_a.dtype == jnp.float32
+    assert m.memory.dense < 0.6 * f32.memory.dense  # the plan follows the dtype
+    toks = heldout_tokens(m, n=128)
+    assert rel_err(m.score(toks), f32.score(toks)) < 1e-5
+    prompt = [int(t) for t in toks[0, :24]]
+    got = m.generate(prompt, max_new_tokens=16, temperature=0.0)
+    want = f32.generate(prompt, max_new_tokens=16, temperature=0.0)
+    assert got.tokens == want.tokens
 
 
 def test_int4_dense_store_fuses_speculates_and_serves_bitwise(embedded_dense):

@@ -8,6 +8,7 @@ import collections
 import os
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,10 +29,16 @@ EMBEDDED = os.path.join(os.path.dirname(glmjax.__file__), "embedded_model")
 def test_dtype_auto_is_the_default_and_resolves_by_platform():
   o = Options()
   assert o.dtype == "auto"
-  assert o.resolve_dtype("bfloat16", "cpu").dtype == options_mod.CPU_AUTO_DTYPE
-  assert o.resolve_dtype("bfloat16", "gpu").dtype == "bfloat16"
+  # On a CPU: bfloat16 weights stay bfloat16 (exact, the faster kernel); others are float32.
+  for stored, want in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")):
+    cpu = o.resolve_dtype(stored, "cpu")
+    assert (cpu.dtype, cpu.kv_dtype_name, cpu.index_dtype_name) == (want, "float32", "float32")
+  gpu = o.resolve_dtype("bfloat16", "gpu")
+  assert (gpu.dtype, gpu.kv_dtype_name) == ("bfloat16", "bfloat16")
   assert o.resolve_dtype("float16", "tpu").dtype == "float16"
+  assert o.resolve_dtype("float32", "gpu").kv_dtype_name == "float32"
   assert Options(dtype="bfloat16").resolve_dtype("float32", "cpu").dtype == "bfloat16"
+  assert Options(kv_dtype="bfloat16").resolve_dtype("bfloat16", "cpu").kv_dtype == "bfloat16"
   with pytest.raises(glmjax.InputError, match="dtype must be one of auto"):
     Options(dtype="int3")
 
@@ -41,32 +48,35 @@ class _Memory(collections.namedtuple("_Memory", "available total")):
 
 
 def _embedded_sizes():
-  """Elements of the embedded checkpoint's routed-expert tensors and of all others, from its
-  safetensors header (independent of the weight declaration)."""
+  """Elements of the embedded checkpoint's routed-expert tensors, and the bytes of all others in
+  their stored dtypes, from its safetensors header (independent of the weight declaration)."""
   f = SafetensorsFile(os.path.join(EMBEDDED, "model.safetensors"))
-  experts = other = 0
+  experts = other_bytes = 0
   for name in f.keys():
-    n = int(np.prod(f.info(name)[1]))
+    dtype, shape = f.info(name)
+    n = int(np.prod(shape))
     if re.search(r"\.mlp\.experts\.\d+\.", name):
       experts += n
     else:
-      other += n
-  return experts, other
+      other_bytes += n * np.dtype(dtype).itemsize
+  return experts, other_bytes
 
 
 def test_checkpoint_plan_equals_the_header_and_a_small_machine_is_refused(monkeypatch):
-  m = glmjax.load(progress=False)  # the defaults: dtype auto → float32 on this CPU
-  assert m.options.dtype == options_mod.CPU_AUTO_DTYPE == "float32"
-  assert m.weights.layers[0].attn.q_a.dtype == np.float32
-  experts, other = _embedded_sizes()
+  # The defaults: dtype auto keeps the embedded model's bfloat16 weights bfloat16 on a CPU, and
+  # its float32 tensors (routers, their biases, the indexers' head weights) float32.
+  m = glmjax.load(progress=False)
+  assert m.options.dtype == options_mod.CPU_AUTO_DTYPES["bfloat16"] == "bfloat16"
+  assert m.weights.layers[0].attn.q_a.dtype == jnp.bfloat16
+  experts, other_bytes = _embedded_sizes()
   cfg = m.config
   # The main layers' KV rows of one sequence, PLAN_KV_POSITIONS or max_context positions.
   per_pos = sum((cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim
                  if cfg.has_indexer(i) else 0)) * 4 for i in range(cfg.num_hidden_layers))
   plan = m.memory
-  assert (plan.experts, plan.dense_format) == (4 * experts, "float32")
+  assert (plan.experts, plan.dense_format) == (2 * experts, "bfloat16")
   positions = min(budget.PLAN_KV_POSITIONS, m.max_context)
-  assert plan.dense == 4 * other and plan.kv == per_pos * positions
+  assert plan.dense == other_bytes and plan.kv == per_pos * positions  # a float32 KV cache
   assert plan.dense == weights.nbytes(weights.dense_only(m.weights))
 
   # A machine with less free memory than the plan: refused before anything is read, and the
@@ -95,7 +105,7 @@ def test_store_plan_lists_the_tiers_when_they_do_not_fit(embedded_store, monkeyp
     glmjax.load(embedded_store, progress=False, host_cache_gb=1.0)
   msg = str(e.value)
   assert re.search(r"host expert cache\s+1\.000 GB", msg), msg
-  assert re.search(rf"dense weights \(float32\)\s+{plan.dense / GiB:.3f} GB", msg), msg
+  assert re.search(rf"dense weights \(bfloat16\)\s+{plan.dense / GiB:.3f} GB", msg), msg
 
 
 @pytest.mark.parametrize("fmt,fits", [("float32", False), ("bfloat16", False), ("int8", True),
