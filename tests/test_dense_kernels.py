@@ -149,6 +149,29 @@ def test_float32_linear_keeps_xlas_dot():
   np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), np.asarray(want))
 
 
+def test_bf16_prefill_rows_go_to_xlas_dot(weights):
+  """A bfloat16 matrix on more than `BF16_KERNEL_MAX_ROWS` rows (a prefill chunk) is XLA's
+  float32 dot of the upcast weight, bit for bit; at the bound it is still the kernel. Quantized
+  matrices stay on the kernel at any row count."""
+  from glmjax.model import layers
+  w = weights["bf16"]
+  n = layers.BF16_KERNEL_MAX_ROWS
+  rng = np.random.default_rng(11)
+  for rows, kernel in ((n, True), (n + 1, False)):
+    x = rng.standard_normal((1, rows, I_FEATURES)).astype(np.float32)
+    hlo = jax.jit(linear).lower(x, jnp.asarray(w)).as_text()
+    assert ("custom_call" in hlo) == kernel, rows
+    got = np.asarray(jax.jit(linear)(x, jnp.asarray(w)))
+    if kernel:
+      want = direct("bf16", x[0], w)
+    else:
+      want = jax.jit(lambda a, b: jnp.einsum("...i,oi->...o", a, b.astype(jnp.float32)))(
+          x, jnp.asarray(w))[0]
+    np.testing.assert_array_equal(got[0], np.asarray(want))
+  x = rng.standard_normal((1, n + 1, I_FEATURES)).astype(np.float32)
+  assert "custom_call" in jax.jit(linear).lower(x, jax.tree.map(jnp.asarray, weights["int8"])).as_text()
+
+
 # An MLA kv_b [H·(N+V), C] with C = 200 (not a multiple of the group): H = 3, N = 7, V = 8.
 HEADS, N_NOPE, V_DIM = 3, 7, 8
 

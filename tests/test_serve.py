@@ -119,9 +119,10 @@ def _complete(server, prompt, **kw):
 def test_health_and_models(server):
   state = _state(server)
   assert state["status"] == "ok" and state["max_batch"] == 4 and state["max_queue"] == 4
-  # load()'s memory plan: the dense part's format and bytes (float32 on a CPU by default)
+  # load()'s memory plan: the dense part's format and bytes (the embedded model's bfloat16
+  # weights stay bfloat16 on a CPU by default)
   mem, w = state["memory"], server["model"].weights
-  assert mem["dense_format"] == "float32" and mem["where"] == "host"
+  assert mem["dense_format"] == "bfloat16" and mem["where"] == "host"
   size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
   routed = [l.mlp.experts for l in w.layers + [t.layer for t in w.mtp] if hasattr(l.mlp, "experts")]
   assert mem["dense"] == size(w) - size(routed) and mem["experts"] == size(routed)

@@ -5,6 +5,8 @@ Activations are float32 throughout; weights may be stored narrower and are upcas
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -44,17 +46,27 @@ def host_kernels() -> bool:
   return jax.default_backend() == "cpu"
 
 
+# On the CPU platform a bfloat16 matrix applied to more rows than this (prefill chunks) goes to
+# XLA's float32 GEMM, upcast: the numba kernel is decode-shaped. Kernel / XLA time at GLM-5's
+# [2048, 6144] and [6144, 2048] (BUILD_NOTES §22): 0.74 / 0.91 at 256 rows, 1.02 / 1.12 at 512,
+# 1.44 / 1.36 at 1024 (the default prefill chunk).
+BF16_KERNEL_MAX_ROWS = 256
+
+
 def linear(x, w):
   """x @ wᵀ with w in HF `[out, in]` orientation (a float array or a QArray).
 
-  float32 weights: XLA's dot. On the CPU platform, a QArray or bfloat16 matrix goes to the
-  numba dense kernel (custom call; the weight is read as stored, accumulated in float32, each
-  output row bitwise independent of the token count). On accelerators a QArray goes to
-  `pallas_kernels.ops.dense_matmul` (the Pallas grouped kernel for up to 32 rows: decode and
-  verify; XLA's dequantize-then-dot for prefill chunks).
+  float32 weights: XLA's dot. On the CPU platform, a QArray, or a bfloat16 matrix applied to at
+  most `BF16_KERNEL_MAX_ROWS` rows, goes to the numba dense kernel (custom call; the weight is
+  read as stored, accumulated in float32, each output row bitwise independent of the token
+  count); a bfloat16 matrix on more rows goes to XLA's dot, upcast. On accelerators a QArray
+  goes to `pallas_kernels.ops.dense_matmul` (the Pallas grouped kernel for up to 32 rows: decode
+  and verify; XLA's dequantize-then-dot for prefill chunks).
   """
+  rows = math.prod(x.shape[:-1])
   if host_kernels() and (isinstance(w, QArray) and w.packed.ndim == 2
-                         or not isinstance(w, QArray) and w.ndim == 2 and w.dtype == jnp.bfloat16):
+                         or not isinstance(w, QArray) and w.ndim == 2 and w.dtype == jnp.bfloat16
+                         and rows <= BF16_KERNEL_MAX_ROWS):
     # Imported on first use: models without such weights never load the custom call.
     from pallas_kernels import cpu_dense, cpu_dense_ffi
     if isinstance(w, QArray):
