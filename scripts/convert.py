@@ -30,6 +30,11 @@ flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
                   "--dense_dtype.")
 flags.DEFINE_integer("dense_group_size", 64, "Input features per scale of quantized dense "
                      "weights.", lower_bound=2)
+flags.DEFINE_enum("dense_first_layer_bits", "auto", ["auto", "0", "4", "8"],
+                  "With --dense_bits: the width of the first decoder layer's matrices, the most "
+                  "sensitive to quantization. auto: the --dense_bits width; 8 under int4 adds 37% "
+                  "less KL on the embedded model, for 0.20e9 bytes at GLM-5; 0 keeps them in "
+                  "--dense_dtype: int8 then adds under 1e-4 KL there, for 0.39e9 bytes.")
 flags.DEFINE_enum("quant", "rtn", ["rtn", "imatrix", "gptq"],
                   "How routed experts are quantized (same store format): round-to-nearest, or "
                   "calibrated with --calibration statistics (scripts/calibrate.py): imatrix "
@@ -52,7 +57,9 @@ def main(argv):
     m = convert(FLAGS.src, FLAGS.dst, expert_bits=int(FLAGS.expert_bits), group_size=FLAGS.group_size,
                 mtp_bits=int(FLAGS.mtp_bits), dense_dtype=FLAGS.dense_dtype, workers=FLAGS.workers,
                 dense_bits=int(FLAGS.dense_bits), dense_group_size=FLAGS.dense_group_size,
-                quant=FLAGS.quant, calibration=FLAGS.calibration)
+                quant=FLAGS.quant, calibration=FLAGS.calibration,
+                dense_first_layer_bits=(None if FLAGS.dense_first_layer_bits == "auto"
+                                        else int(FLAGS.dense_first_layer_bits)))
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

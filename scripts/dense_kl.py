@@ -2,10 +2,12 @@
 
   python scripts/dense_kl.py --json=out/dense_kl.json
 
-Converts the embedded model three times (the converter's defaults: int4 experts with bf16
-dense weights; then `--dense_bits=8` and `--dense_bits=4`, int4 experts as by default) and
-reports each store's mean KL(float ‖ store) in nats per token over the first --tokens tokens of
-each held-out stdlib file, and what the dense format adds to the default store's KL.
+Converts the embedded model five times (the converter's defaults: int4 experts with bf16
+dense weights; then `--dense_bits=8` and `--dense_bits=4`, and each with its first decoder
+layer wider, `--dense_first_layer_bits`: bf16 under int8, int8 under int4; int4 experts as by
+default) and reports each store's mean KL(float ‖ store) in nats per token
+over the first --tokens tokens of each held-out stdlib file, and what the dense format adds to
+the default store's KL.
 
 Then a sweep on the float model (experts float, so only the dense change shows): each group of
 dense matrices alone quantized to int4 (or int8), in-process, as the store would hold them:
@@ -100,17 +102,19 @@ def main(argv):
     cfg, w_float = ref_model.config, ref_model.weights
 
   stores = {"default (bf16 dense)": {}, "int8 dense": {"dense_bits": 8},
-            "int4 dense": {"dense_bits": 4}}
+            "int8 dense, first layer bf16": {"dense_bits": 8, "dense_first_layer_bits": 0},
+            "int4 dense": {"dense_bits": 4},
+            "int4 dense, first layer int8": {"dense_bits": 4, "dense_first_layer_bits": 8}}
   rows = []
   with tempfile.TemporaryDirectory(prefix="dense-kl-") as tmp:
-    for name, kw in stores.items() if FLAGS.stores else ():
-      dst = os.path.join(tmp, name.split()[0])
+    for n, (name, kw) in enumerate(stores.items() if FLAGS.stores else ()):
+      dst = os.path.join(tmp, str(n))
       convert(src, dst, progress=False, **kw)
       with glmjax.load(dst, progress=False) as m:
         got = [log_softmax(m.score(i)[0]) for i in ids]
       rows.append(dict(store=name, kl=mean_kl(ref, got)))
       rows[-1]["added_to_default"] = rows[-1]["kl"] - rows[0]["kl"]
-      print(f"{name:22s} KL {rows[-1]['kl']:.3e}  (+{rows[-1]['added_to_default']:.2e})",
+      print(f"{name:30s} KL {rows[-1]['kl']:.3e}  (+{rows[-1]['added_to_default']:.2e})",
             flush=True)
 
   sweep = []
@@ -136,6 +140,10 @@ def main(argv):
       run(f"int{b}: lm_head only", only(b, lambda p: p == "lm_head"))
     run("int4, embedding int8", lambda p: 8 if p == "embed" else 4)
     run("int4, lm_head int8 (the --dense_bits=4 recipe)", lambda p: 8 if p == "lm_head" else 4)
+    run("int4, lm_head and layer 0 int8",
+        lambda p: 8 if p == "lm_head" or p.startswith("0.") else 4)
+    run("int8 but the embedding, layer 0 float", lambda p: 0 if p == "embed" or
+        p.startswith("0.") else 8)
     run("int4, embedding and lm_head int8", lambda p: 8 if p in ("embed", "lm_head") else 4)
     run("int4, embedding, lm_head and kv_b int8",
         lambda p: 8 if p in ("embed", "lm_head") or p.endswith("kv_b") else 4)

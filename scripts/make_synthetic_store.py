@@ -36,6 +36,9 @@ flags.DEFINE_integer("workers", 2, "Threads generating and writing expert chunks
 flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
                   "Dense weights: 0 bf16; 8 or 4 the quantized dense format `convert.py "
                   "--dense_bits` writes (group 64).")
+flags.DEFINE_enum("dense_first_layer_bits", "auto", ["auto", "0", "4", "8"],
+                  "With --dense_bits: the first decoder layer's width (auto: the --dense_bits "
+                  "width; 0: bf16), as `convert.py --dense_first_layer_bits`.")
 
 
 def main(argv):
@@ -49,12 +52,16 @@ def main(argv):
     m = make_synthetic_store(FLAGS.dst, geometry=FLAGS.geometry, moe_layers=FLAGS.moe_layers,
                              experts=FLAGS.experts, vocab_size=FLAGS.vocab_size,
                              seed=FLAGS.seed, zipf=FLAGS.zipf, mtp=FLAGS.mtp,
-                             workers=FLAGS.workers, dense_bits=int(FLAGS.dense_bits))
+                             workers=FLAGS.workers, dense_bits=int(FLAGS.dense_bits),
+                             dense_first_layer_bits=(None if FLAGS.dense_first_layer_bits == "auto"
+                                                     else int(FLAGS.dense_first_layer_bits)))
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   dt = time.perf_counter() - t0
-  dense, experts, _ = store_bytes(m["source_config"], m["quant"].get("dense_bits", 0))
+  bits = m["quant"].get("dense_bits", 0)
+  dense, experts, _ = store_bytes(m["source_config"], bits,
+                                  m["quant"].get("dense_first_layer_bits", bits) if bits else None)
   gb = (dense + experts) / 1e9
   what = (f"{len(m['moe_layers'])} MoE layers × {m['source_config']['n_routed_experts']} "
           f"experts, {gb:.2f} GB")

@@ -37,6 +37,7 @@ QUANTIZED_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o
 HEADS = ("lm_head", "shared_head.head")
 EMBED_BITS = {8: 0, 4: 4}  # the embedding: bf16 under int8 dense, int4 under int4 dense
 HEAD_BITS = 8  # the heads stay int8 under int4 dense
+FIRST_LAYER_BITS = {8: 8, 4: 4}  # the first decoder layer's matrices: the recipe's width
 
 
 def test_memory_plan_at_glm5_full_geometry():
@@ -87,6 +88,19 @@ def test_declaration_marks_the_dense_matmuls():
   assert {i.bits for i in weights.leaves_with_info(weights.abstract(cfg))} == {0}
   with pytest.raises(ValueError):
     weights.abstract(cfg, dense_bits=2)
+  # The first decoder layer is its own kind: at the recipe's width, or as asked.
+  for bits, first, want in ((4, None, (4, 4)), (8, None, (8, 8)), (8, 0, (0, 8)),
+                            (4, 8, (8, 4))):
+    t = weights.abstract(cfg, dense_bits=bits, dense_first_layer_bits=first)
+    for layer, w in zip((t.layers[0], t.layers[1], t.layers[3]), (want[0], want[1], want[1])):
+      kinds = {i.quantizable: i.bits for i in weights.leaves_with_info(layer) if i.quantizable}
+      assert set(kinds.values()) == {w}, (bits, first, kinds)
+  assert weights.dense_settings(4) == {"dense_bits": 4, "dense_group_size": 64,
+                                       "dense_first_layer_bits": 4}
+  assert weights.dense_settings(8, 32, 0)["dense_first_layer_bits"] == 0
+  assert weights.dense_settings(0, 32, 0) == {}
+  with pytest.raises(ValueError, match="dense_first_layer_bits"):
+    weights.abstract(cfg, dense_bits=4, dense_first_layer_bits=2)
 
 
 # --- stores --------------------------------------------------------------------------------
@@ -112,18 +126,21 @@ def src(tmp_path_factory):
   return path
 
 
-@pytest.fixture(scope="module", params=[8, 4])
+@pytest.fixture(scope="module", params=[(8, "auto"), (4, "auto"), (8, "0")],
+                ids=["int8", "int4", "int8-first-layer-float"])
 def dense_store(request, src, tmp_path_factory):
-  bits = request.param
+  """(bits, the first layer's bits, path): the recipes, and int8 with its first layer float."""
+  bits, first = request.param
   path = str(tmp_path_factory.mktemp(f"dense{bits}") / "s")
-  r = convert(src, path, f"--dense_bits={bits}", "--dense_dtype=float32")
+  r = convert(src, path, f"--dense_bits={bits}", "--dense_dtype=float32",
+              f"--dense_first_layer_bits={first}")
   assert r.returncode == 0, r.stderr
-  return bits, path
+  return bits, FIRST_LAYER_BITS[bits] if first == "auto" else int(first), path
 
 
-def _reference(src, dst, bits):
-  """A float checkpoint: experts int4 fake-quant, the quantized dense tensors `bits` fake-quant,
-  the heads int8 and the embedding as `EMBED_BITS` says."""
+def _reference(src, dst, bits, first):
+  """A float checkpoint: experts int4 fake-quant, the quantized dense tensors `bits` fake-quant
+  (layer 0's `first`, 0: float), the heads int8 and the embedding as `EMBED_BITS` says."""
   from glmjax.formats.safetensors_io import SafetensorsFile, write
   shutil.copytree(src, dst)
   f = SafetensorsFile(os.path.join(src, "model.safetensors"))
@@ -137,20 +154,24 @@ def _reference(src, dst, bits):
     elif k == "model.embed_tokens.weight":
       a = fake_quant(a, EMBED_BITS[bits]) if EMBED_BITS[bits] else a
     elif a.ndim == 2 and any(q in k for q in QUANTIZED_NAMES) and ".mlp.gate.weight" not in k:
-      a = fake_quant(a, bits)
+      width = first if k.startswith("model.layers.0.") else bits
+      a = fake_quant(a, width) if width else a
     out[k] = a
   write(os.path.join(dst, "model.safetensors"), out)
   return dst
 
 
 def test_dense_store_equals_fake_quant_reference(src, dense_store, tmp_path):
-  bits, path = dense_store
-  manifest = store.read_manifest(path)
-  assert manifest["quant"]["dense_bits"] == bits and manifest["quant"]["dense_group_size"] == 64
-  ref = glmjax.load(_reference(src, str(tmp_path / "fq"), bits), progress=False)
+  bits, first, path = dense_store
+  quant = store.read_manifest(path)["quant"]
+  assert (quant["dense_bits"], quant["dense_group_size"], quant["dense_first_layer_bits"]) == (
+      bits, 64, first)
+  ref = glmjax.load(_reference(src, str(tmp_path / "fq"), bits, first), progress=False)
   model = glmjax.load(path, progress=False)
   w = model.engine.dense if model.engine is not None else model.weights
-  assert isinstance(w.layers[0].attn.kv_b, QArray) and w.layers[0].attn.kv_b.bits == bits
+  assert isinstance(w.layers[1].attn.kv_b, QArray) and w.layers[1].attn.kv_b.bits == bits
+  for m in (w.layers[0].attn.kv_b, w.layers[0].attn.o, w.layers[0].mlp.down):
+    assert (m.bits if isinstance(m, QArray) else 0) == first
   assert isinstance(w.embed, QArray) == bool(EMBED_BITS[bits])
   assert not isinstance(w.layers[1].mlp.router, QArray)
   toks = tokens(1, 2, 12)
@@ -162,22 +183,28 @@ def test_dense_store_equals_fake_quant_reference(src, dense_store, tmp_path):
 
 
 def test_dense_store_bytes_match_the_plan(dense_store):
-  bits, path = dense_store
+  bits, first, path = dense_store
   cfg, tree = store.dense_abstract(path)
   _, dense = store.load_dense(path, progress=False)
   assert weights.nbytes(dense) == weights.nbytes(tree)
-  # The plan's float embedding is bf16 (the converter's default); this store's is float32.
-  extra = 0 if EMBED_BITS[bits] else cfg.vocab_size * cfg.hidden_size * 2
-  assert weights.nbytes(tree) == weights.dense_plan(cfg, f"int{bits}",
-                                                   with_mtp=bool(tree.mtp))["total"] + extra
+  # The plan's float quantizable leaves (the embedding under int8, the first layer's matrices
+  # at first = 0) are bf16 (the converter's default); this store's are float32.
+  floats = [i for i in weights.leaves_with_info(tree) if i.quantizable and not i.quantized]
+  layer0 = [i for i in weights.leaves_with_info(tree.layers[0]) if i.quantizable]
+  assert layer0 and all((i in floats) == (not first) for i in layer0)
+  assert (tree.embed in floats) == (not EMBED_BITS[bits])
+  extra = sum(i.nbytes // 2 for i in floats)
+  assert weights.nbytes(tree) == weights.dense_plan(
+      cfg, f"int{bits}", with_mtp=bool(tree.mtp), first_layer_bits=first)["total"] + extra
 
 
 def test_quantized_leaves_stored_as_packed_and_scales(dense_store):
-  bits, path = dense_store
+  bits, first, path = dense_store
   manifest = store.read_manifest(path)
-  keys = manifest["dense"]["layer_000"]
+  keys = manifest["dense"]["layer_001"]
   assert ".attn.kv_b#packed" in keys and ".attn.kv_b#scales" in keys and ".attn.kv_b" not in keys
   assert ".attn_norm" in keys  # norms stay float
+  assert (".attn.kv_b#packed" in manifest["dense"]["layer_000"]) == bool(first)
   assert ("['embed']#packed" in manifest["dense"]["global"]) == bool(EMBED_BITS[bits])
   assert "['lm_head']#packed" in manifest["dense"]["global"]
 
@@ -185,12 +212,12 @@ def test_quantized_leaves_stored_as_packed_and_scales(dense_store):
 def test_damaged_quantized_part_is_refused(dense_store, tmp_path):
   """The crc32 of each stored array covers the packed weights and the scales."""
   from glmjax.errors import CheckpointError
-  bits, path = dense_store
+  bits, first, path = dense_store
   bad = str(tmp_path / "bad")
   shutil.copytree(path, bad)
   mpath = os.path.join(bad, store.MANIFEST)
   m = json.load(open(mpath))
-  m["dense"]["layer_000"][".attn.kv_b#scales"] ^= 1
+  m["dense"]["layer_001"][".attn.kv_b#scales"] ^= 1
   json.dump(m, open(mpath, "w"))
   with pytest.raises(CheckpointError, match="kv_b#scales"):
     store.load_dense(bad, progress=False)
@@ -199,6 +226,29 @@ def test_damaged_quantized_part_is_refused(dense_store, tmp_path):
 def test_dense_bits_flag_is_checked(src, tmp_path):
   r = convert(src, str(tmp_path / "x"), "--dense_bits=3")
   assert r.returncode != 0
+  r = convert(src, str(tmp_path / "y"), "--dense_first_layer_bits=0")  # needs --dense_bits
+  assert r.returncode == 1 and "dense_first_layer_bits needs dense_bits" in r.stderr, r.stderr
+  assert not os.path.exists(tmp_path / "y" / store.MANIFEST)
+
+
+def test_a_store_from_before_the_first_layer_kind_reads_as_written(src, tmp_path):
+  """A manifest without `dense_first_layer_bits` (stores converted before the first layer had
+  its own width) declares layer 0 at `dense_bits`, as those converters wrote it: an int4 store,
+  the key then removed, loads and scores as before."""
+  old = str(tmp_path / "old")
+  r = convert(src, old, "--dense_bits=4")
+  assert r.returncode == 0, r.stderr
+  toks = tokens(1, 2, 12)
+  with glmjax.load(old, progress=False) as m:
+    want = m.score(toks)
+  mpath = os.path.join(old, store.MANIFEST)
+  m = json.load(open(mpath))
+  assert m["quant"].pop("dense_first_layer_bits") == 4
+  json.dump(m, open(mpath, "w"))
+  _, tree = store.dense_abstract(old)
+  assert tree.layers[0].attn.kv_b.bits == 4 and tree.layers[1].attn.kv_b.bits == 4
+  with glmjax.load(old, progress=False) as m:
+    np.testing.assert_array_equal(m.score(toks), want)
   q = quantize(np.ones((2, 64), np.float32), 8)
   assert as_f32(q).shape == (2, 64)
 
@@ -206,44 +256,72 @@ def test_dense_bits_flag_is_checked(src, tmp_path):
 # --- quality on the embedded model -----------------------------------------------------------
 
 # Measured on json/encoder.py's first 384 tokens: the default store (int4 experts, bf16 dense)
-# is at KL 2.39e-3 of the float model; int8 dense adds 6.8e-4 to it, int4 dense (heads int8)
-# 1.58e-2.
-# Issue 28's target for int8 is 1e-4 added; round-to-nearest int8 G64 measures above it (the
-# embedded model's weights are bf16-exact, so the default store's dense part is lossless), so
-# the bounds hold the measured figures at about 2x, as the other quality tests do.
-INT8_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 3e-2
+# is at KL 2.39e-3 of the float model. Added to it: int8 dense 6.8e-4, with its first layer bf16
+# 1.3e-4; int4 dense (heads int8) 1.58e-2, with its first layer int8 1.16e-2.
+# The bounds hold the measured figures at about 2x, as the other quality tests do; the order
+# checks that the first layer's width is what buys the quality.
+INT8_ADDED_MAX, INT8_FIRST_FLOAT_ADDED_MAX, INT4_ADDED_MAX = 1.5e-3, 3e-4, 3e-2
+STORES = {"int8": ("--dense_bits=8",), "int8, first layer bf16": (
+    "--dense_bits=8", "--dense_first_layer_bits=0"), "int4": ("--dense_bits=4",),
+    "int4, first layer int8": ("--dense_bits=4", "--dense_first_layer_bits=8")}
+# Issue 28's target: int8 dense adds at most 1e-4 to the default store's KL, mean over the ten
+# held-out files' first 384 tokens (scripts/dense_kl.py: -6.9e-5 with the first layer bf16;
+# +2.45e-4 with the int8 recipe).
+TARGET_ADDED_MAX = 1e-4
 
 
 @pytest.fixture(scope="module")
 def embedded_dense(tmp_path_factory):
-  """The embedded model converted with `--dense_bits=8` and `4` (other flags default): {bits:
-  path}."""
+  """The embedded model converted as `STORES` says (other flags default): {name: path}."""
   from conftest import convert_store
   from glmjax.formats import embedded
   out = {}
-  for bits in (8, 4):
-    dst = str(tmp_path_factory.mktemp(f"embedded_dense{bits}") / "s")
-    r = convert_store(embedded.ensure(progress=False), dst, f"--dense_bits={bits}")
+  for name, flags in STORES.items():
+    dst = str(tmp_path_factory.mktemp("embedded_dense") / "s")
+    r = convert_store(embedded.ensure(progress=False), dst, *flags)
     assert r.returncode == 0, r.stderr
-    out[bits] = dst
+    out[name] = dst
   return out
+
+
+def _kl(ref_logits, logits) -> float:
+  lp, lq = jax.nn.log_softmax(ref_logits, -1), jax.nn.log_softmax(logits, -1)
+  return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+
+def _scores(path, toks: list) -> list:
+  with glmjax.load(path, progress=False) as m:
+    return [m.score(t)[0] for t in toks]
 
 
 def test_dense_formats_kl_on_the_embedded_model(embedded_store, embedded_dense):
   from test_readme import heldout_tokens
   ref = glmjax.load(progress=False)
-  toks = heldout_tokens(ref)
-  lp = jax.nn.log_softmax(ref.score(toks)[0], -1)
+  toks = [heldout_tokens(ref)]
+  logits = ref.score(toks[0])[0]
+  base = _kl(logits, _scores(embedded_store, toks)[0])
+  added = {name: _kl(logits, _scores(path, toks)[0]) - base
+           for name, path in embedded_dense.items()}
+  assert 0 < added["int8, first layer bf16"] <= INT8_FIRST_FLOAT_ADDED_MAX, added
+  assert added["int8, first layer bf16"] < added["int8"] <= INT8_ADDED_MAX, added
+  assert added["int8"] < added["int4, first layer int8"] < added["int4"] <= INT4_ADDED_MAX, added
 
-  def kl(path):
-    with glmjax.load(path, progress=False) as m:
-      lq = jax.nn.log_softmax(m.score(toks)[0], -1)
-    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
 
-  base = kl(embedded_store)
-  added = {bits: kl(path) - base for bits, path in embedded_dense.items()}
-  assert 0 < added[8] <= INT8_ADDED_MAX, added
-  assert added[8] < added[4] <= INT4_ADDED_MAX, added
+def test_int8_with_its_first_layer_float_meets_the_target(embedded_store, embedded_dense):
+  """Issue 28's quality target on the held-out files: int8 dense weights with the first layer
+  bf16 add at most 1e-4 to the default store's KL, mean over the ten files' first 384 tokens
+  (the int8 recipe adds more)."""
+  from glmjax.formats import corpus
+  texts = [t for t in (corpus.read(f) for f in corpus.HELD_OUT) if t]
+  assert len(texts) == 10
+  ref = glmjax.load(progress=False)
+  toks = [np.asarray([ref.tokenizer.encode(t)[:384]], np.int32) for t in texts]
+  want = [ref.score(t)[0] for t in toks]
+  kl = {name: np.mean([_kl(w, g) for w, g in zip(want, _scores(path, toks))])
+        for name, path in (("default", embedded_store),
+                           ("first layer bf16", embedded_dense["int8, first layer bf16"]),
+                           ("int8", embedded_dense["int8"]))}
+  assert kl["first layer bf16"] - kl["default"] <= TARGET_ADDED_MAX < kl["int8"] - kl["default"], kl
 
 
 def test_a_bf16_store_stays_bf16_on_a_cpu(embedded_store):
@@ -274,10 +352,10 @@ def test_int4_dense_store_fuses_speculates_and_serves_bitwise(embedded_dense):
   from glmjax.reporting import store_geometry
   from glmjax.serving.app import create_app
   from test_serve import serving
-  path = embedded_dense[4]
+  path = embedded_dense["int4"]
   prompt = "def parse_args(argv):\n    "
   with glmjax.load(path, progress=False) as m:
-    assert m.engine.all_resident and m.weights.layers[0].attn.q_b.bits == 4
+    assert m.engine.all_resident and m.weights.layers[2].attn.q_b.bits == 4
     ids = m.tokenizer.encode(prompt)
     logits, plain = m.score(np.array([ids])), m.generate(ids, 12, stop_ids=[]).tokens
   total = store_geometry(path)["expert_bytes_total"]
@@ -360,11 +438,11 @@ def test_int8_dense_store_on_a_mesh(tmp_path):
 def test_dense_store_offloaded_equals_resident(dense_store):
   """With no expert cache the offload engine runs the layer steps (each its own jit) on the
   quantized dense weights: the same logits and greedy tokens as the resident model."""
-  bits, path = dense_store
+  bits, first, path = dense_store
   toks = tokens(1, 2, 12)
   with glmjax.load(path, progress=False) as m:
     want, greedy = m.score(toks), m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens
   with glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=0) as m:
-    assert m.offloaded and isinstance(m.engine.dense.layers[0].attn.kv_b, QArray)
+    assert m.offloaded and isinstance(m.engine.dense.layers[1].attn.kv_b, QArray)
     np.testing.assert_array_equal(m.score(toks), want)
     assert m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens == greedy

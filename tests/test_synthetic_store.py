@@ -217,8 +217,8 @@ def test_interrupted_store_is_started_over(tmp_path, stores, monkeypatch):
   assert store.read_manifest(str(dst))["dense"] == store.read_manifest(stores["a"])["dense"]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path, bits):
+@pytest.mark.parametrize("bits,first", [(8, None), (4, None), (4, 8)])
+def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path, bits, first):
   """`dense_bits` 8 / 4: the manifest and the declaration say so, the store loads its
   quantizable leaves as QArrays at `DENSE_RECIPES`' widths, and each is the converter's
   quantizer applied to the bf16 leaf the plain store (same seed) holds; the rest is unchanged."""
@@ -226,18 +226,21 @@ def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path
   from glmjax.model.quant import QArray
   from glmjax.model.weights import DENSE_RECIPES
   dst = str(tmp_path / f"d{bits}")
-  m = make(dst, seed=0, dense_bits=bits)
+  m = make(dst, seed=0, dense_bits=bits, dense_first_layer_bits=first)
+  widths = dict(DENSE_RECIPES[bits], **({} if first is None else {"first_layer": first}))
   assert m["quant"]["dense_bits"] == bits and m["quant"]["dense_group_size"] == 64
   assert m["synthetic"]["dense_bits"] == bits
-  dense, _, _ = synthetic.store_bytes(m["source_config"], bits)
+  assert m["quant"]["dense_first_layer_bits"] == widths["first_layer"]
+  dense, _, _ = synthetic.store_bytes(m["source_config"], bits, first)
   assert dense < synthetic.store_bytes(m["source_config"])[0]
   with glmjax.load(dst, progress=False) as mq:
     wq, wa = mq.weights, model_a.weights
-    pairs = [(wq.layers[0].attn.kv_b, wa.layers[0].attn.kv_b, "matmul"),
+    pairs = [(wq.layers[0].attn.kv_b, wa.layers[0].attn.kv_b, "first_layer"),
+             (wq.layers[1].attn.kv_b, wa.layers[1].attn.kv_b, "matmul"),
              (wq.layers[1].mlp.shared.gate_up, wa.layers[1].mlp.shared.gate_up, "matmul"),
              (wq.lm_head, wa.lm_head, "head")]
     for q, plain, kind in pairs:
-      assert isinstance(q, QArray) and q.bits == DENSE_RECIPES[bits][kind]
+      assert isinstance(q, QArray) and q.bits == widths[kind]
       want = quantize(np.asarray(plain), q.bits, 64)
       np.testing.assert_array_equal(np.asarray(q.packed), want.packed)
       np.testing.assert_array_equal(np.asarray(q.scales), want.scales)
@@ -247,3 +250,5 @@ def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path
     assert mq.generate(PROMPT, 4, stop_ids=[]).tokens  # decodes on the quantized weights
   with pytest.raises(GlmjaxError, match="dense_bits"):
     make(str(tmp_path / "bad"), dense_bits=2)
+  with pytest.raises(GlmjaxError, match="dense_first_layer_bits"):
+    make(str(tmp_path / "bad"), dense_first_layer_bits=0)  # needs dense_bits

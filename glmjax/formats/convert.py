@@ -24,7 +24,8 @@ from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, exp
 from glmjax.formats.quantize import quantize, quantize_into
 from glmjax.model.config import Config
 from glmjax.errors import CheckpointError, InputError
-from glmjax.model.weights import DENSE_BITS, MoE, dense_format, leaves_with_info
+from glmjax.model.weights import (DENSE_BITS, FIRST_LAYER_BITS, MoE, dense_format, dense_settings,
+                                  leaves_with_info)
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
 # Test hook: exit abruptly after this many expert chunks, as a kill would.
@@ -122,11 +123,13 @@ def _writable(dst: str) -> None:
 def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_bits: int = 8,
             dense_dtype: str = "bfloat16", workers: int = 4, progress: bool = True,
             dense_bits: int = 0, dense_group_size: int = 64, quant: str = "rtn",
-            calibration: str | None = None) -> dict:
+            calibration: str | None = None, dense_first_layer_bits: int | None = None) -> dict:
   """Converts the HF checkpoint at `src` into a store at `dst`; returns the manifest.
 
   `dense_bits` 8 or 4 stores the quantizable dense leaves (`ArrayInfo.quantizable`) as
-  group-wise QArrays of `dense_group_size`; the other dense leaves stay in `dense_dtype`.
+  group-wise QArrays of `dense_group_size` at the widths of `weights.DENSE_RECIPES`, the first
+  decoder layer's at `dense_first_layer_bits` (None: the recipe's; 0: kept in `dense_dtype`);
+  the other dense leaves stay in `dense_dtype`.
   `quant` "imatrix" or "gptq" quantizes the main model's routed experts with the calibration
   statistics in directory `calibration` (`formats.calibration`; same store format); the MTP
   layer's experts stay round-to-nearest."""
@@ -143,6 +146,12 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     raise CheckpointError(f"dense_bits must be 8 or 4 (0: unquantized), got {dense_bits}")
   if dense_bits and (dense_group_size < 2 or dense_group_size % 2):
     raise CheckpointError(f"dense_group_size must be an even number ≥ 2, got {dense_group_size}")
+  if dense_first_layer_bits not in (None, *FIRST_LAYER_BITS):
+    raise CheckpointError(f"dense_first_layer_bits must be one of {FIRST_LAYER_BITS}, got "
+                          f"{dense_first_layer_bits}")
+  if dense_first_layer_bits is not None and not dense_bits:
+    raise CheckpointError("dense_first_layer_bits needs dense_bits 8 or 4 (the dense weights "
+                          "are not quantized)")
   if os.path.abspath(src) == os.path.abspath(dst):
     raise CheckpointError(f"{dst}: destination must differ from the source")
   cfg = Config.from_json(src)
@@ -152,7 +161,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   for name in sorted(ckpt.names()):  # open every shard now: a bad one fails before any work
     ckpt.info(name)
   block = fp8_block_size(src)
-  tree = dense_format(plan(ckpt, cfg), dense_bits, dense_group_size)
+  tree = dense_format(plan(ckpt, cfg), dense_bits, dense_group_size, dense_first_layer_bits)
   moe_layers = [i for i, l in enumerate(tree.layers) if isinstance(l.mlp, MoE)]
   calib = _calibration(quant, calibration, moe_layers, cfg)
   calibrated = ({"method": quant, "calibration": calib.sha256} if calib is not None else {})
@@ -169,8 +178,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   ddtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dense_dtype]
   # The dense format's keys appear only when it is quantized: a store converted before they
   # existed resumes, and its manifest reads the same.
-  dense_quant = ({"dense_bits": dense_bits, "dense_group_size": dense_group_size} if dense_bits
-                 else {})
+  dense_quant = dense_settings(dense_bits, dense_group_size, dense_first_layer_bits)
   settings = {"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
               "dense_dtype": dense_dtype, **dense_quant, **calibrated, "source_config": raw_config}
   prog = _Progress(dst, settings)

@@ -381,7 +381,10 @@ def dense_abstract(path: str, dtype=jnp.float32) -> tuple[Config, Weights]:
     for j, m in enumerate(tree.mtp):  # converter's `plan` declares it
       m.head = dataclasses.replace(tree.embed, quantizable="head", hf_names=(
           f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight",))
-  tree = dense_format(tree, quant.get("dense_bits", 0), quant.get("dense_group_size", 64))
+  bits = quant.get("dense_bits", 0)
+  # No first-layer key: a store written before that kind existed, its first layer at `bits`.
+  tree = dense_format(tree, bits, quant.get("dense_group_size", 64),
+                      quant.get("dense_first_layer_bits", bits))
   stored = jnp.dtype(quant.get("dense_dtype", "float32"))
   if (not cfg.tie_word_embeddings and not tree.embed.quantized
       and stored.itemsize < jnp.dtype(dtype).itemsize):

@@ -55,7 +55,7 @@ from glmjax.errors import CheckpointError, InputError
 from glmjax.formats import embedded, store
 from glmjax.model.config import Config
 from glmjax.formats.quantize import quantize
-from glmjax.model.weights import DENSE_BITS, MoE, abstract
+from glmjax.model.weights import DENSE_BITS, FIRST_LAYER_BITS, MoE, abstract, dense_settings
 
 GROUP_SIZE = 64
 EXPERT_BITS, MTP_BITS = 4, 8
@@ -361,17 +361,18 @@ def _free_bytes(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
-def _dense_tree(cfg: Config, mtp: bool, dense_bits: int):
+def _dense_tree(cfg: Config, mtp: bool, dense_bits: int, first_layer_bits: int | None = None):
   """The declared dense tree a synthetic store writes: bf16 (float32 where declared so), the
   quantizable leaves as QArrays under `dense_bits` (the converter's rule, `dense_format`)."""
   return abstract(cfg, jnp.bfloat16, with_mtp=mtp, dense_bits=dense_bits,
-                  dense_group_size=GROUP_SIZE)
+                  dense_group_size=GROUP_SIZE, dense_first_layer_bits=first_layer_bits)
 
 
-def store_bytes(raw_config: dict, dense_bits: int = 0) -> tuple[int, int, dict]:
+def store_bytes(raw_config: dict, dense_bits: int = 0, first_layer_bits: int | None = None
+                ) -> tuple[int, int, dict]:
   """(dense bytes, expert bytes, {group: (layers, layout)}) of a synthetic store's config."""
   cfg = Config.from_dict(raw_config)
-  tree = _dense_tree(cfg, True, dense_bits)
+  tree = _dense_tree(cfg, True, dense_bits, first_layer_bits)
   dense = 0
   for part in store.dense_parts(tree).values():
     for info in store.flat_leaves(part).values():
@@ -391,7 +392,8 @@ def store_bytes(raw_config: dict, dense_bits: int = 0) -> tuple[int, int, dict]:
 def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
                          experts: int | None = None, vocab_size: int | None = None,
                          seed: int = 0, zipf: float = 0.0, mtp: bool = True, workers: int = 2,
-                         progress: bool = True, dense_bits: int = 0) -> dict:
+                         progress: bool = True, dense_bits: int = 0,
+                         dense_first_layer_bits: int | None = None) -> dict:
   """Writes a store of random weights at `dst`; returns its manifest.
 
   Args:
@@ -409,6 +411,8 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     dense_bits: 0 (bf16 dense weights), 8 or 4: the quantized dense format of
       `convert --dense_bits` (group 64), each quantizable leaf drawn in bf16 as for 0 and then
       quantized by the converter's quantizer.
+    dense_first_layer_bits: the first decoder layer's width under `dense_bits` (None: the
+      recipe's, `weights.DENSE_RECIPES`; 0: bf16), as `convert --dense_first_layer_bits`.
   """
   import orbax.checkpoint as ocp
   import tensorstore as ts
@@ -420,16 +424,21 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     raise InputError(f"zipf must be a number in [0, 16] (0 = no skew), got {zipf!r}")
   if dense_bits not in DENSE_BITS:
     raise InputError(f"dense_bits must be one of {DENSE_BITS} (0: bf16), got {dense_bits!r}")
+  if dense_first_layer_bits not in (None, *FIRST_LAYER_BITS) or (
+      dense_first_layer_bits is not None and not dense_bits):
+    raise InputError(f"dense_first_layer_bits must be one of {FIRST_LAYER_BITS}, with "
+                     f"dense_bits 8 or 4; got {dense_first_layer_bits!r} (dense_bits {dense_bits})")
   raw = synthetic_config(geometry, moe_layers, experts, vocab_size, mtp)
   cfg = Config.from_dict(raw)
   settings = {"geometry": geometry, "moe_layers": moe_layers,
               "experts": cfg.n_routed_experts, "vocab_size": cfg.vocab_size, "seed": seed,
               "zipf": float(zipf), "mtp": bool(mtp)}
-  dense_quant = {}
-  if dense_bits:  # absent for bf16, so stores written before the option still match
+  # Absent for bf16, so stores written before the option still match.
+  dense_quant = dense_settings(dense_bits, GROUP_SIZE, dense_first_layer_bits)
+  if dense_bits:
     settings["dense_bits"] = dense_bits
-    dense_quant = {"dense_bits": dense_bits, "dense_group_size": GROUP_SIZE}
-  dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits)
+    settings["dense_first_layer_bits"] = dense_quant["dense_first_layer_bits"]
+  dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits, dense_first_layer_bits)
   need = dense_bytes + expert_bytes
   done = _prepare(dst, settings, need)
   if done is not None:
@@ -445,7 +454,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     with lock:
       bar.update(n)
 
-  tree = _dense_tree(cfg, mtp, dense_bits)
+  tree = _dense_tree(cfg, mtp, dense_bits, dense_first_layer_bits)
   rank_bias = (zipf_bias(cfg.n_routed_experts, cfg.num_experts_per_tok, zipf,
                          _rng(seed, _ZIPF)) if zipf else None)
   # Dense parts go through orbax (compression, ~250 MB/s) in their own thread while the pool

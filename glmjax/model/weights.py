@@ -156,54 +156,58 @@ DENSE_BITS = (0, 4, 8)  # 0: float dense weights (the default)
 
 
 def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: int = 0,
-             dense_group_size: int = 64) -> Weights:
+             dense_group_size: int = 64, dense_first_layer_bits: int | None = None) -> Weights:
   """The abstract weight tree of `cfg`; `dtype` is the storage dtype of non-router weights.
 
   `dense_bits` 8 or 4 declares the quantizable leaves (`ArrayInfo.quantizable`: attention and
   indexer projections, shared experts, dense MLPs, the MTP's `eh_proj`, the lm head and the
   embedding) as group-wise QArrays with `dense_group_size`, at `DENSE_RECIPES[dense_bits]`'s
-  widths (`dense_format`); routed experts are never part of the dense format (the expert
-  store holds them).
+  widths (`dense_format`; `dense_first_layer_bits` overrides the first decoder layer's); routed
+  experts are never part of the dense format (the expert store holds them).
   """
   d, f32 = cfg.hidden_size, jnp.float32
 
   def info(shape, axes, *names, init="normal", dt=None, q=""):
     return ArrayInfo(tuple(shape), dt or dtype, tuple(axes), tuple(names), init, quantizable=q)
 
-  def mat(shape, axes, *names):
-    return info(shape, axes, *names, q="matmul")
+  def mat(shape, axes, *names, q="matmul"):
+    return info(shape, axes, *names, q=q)
 
   def norm(n, name):
     return info((n,), ("norm",), name, init="ones")
 
-  def mlp(p, f):
+  def mlp(p, f, q):
     return MLP(
-        gate_up=mat((2 * f, d), ("mlp", "embed"), f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
-        down=mat((d, f), ("embed", "mlp"), f"{p}.down_proj.weight"))
+        gate_up=mat((2 * f, d), ("mlp", "embed"), f"{p}.gate_proj.weight", f"{p}.up_proj.weight",
+                    q=q),
+        down=mat((d, f), ("embed", "mlp"), f"{p}.down_proj.weight", q=q))
 
   def layer(i):
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
+    # The first decoder layer's matrices are a kind of their own: the most sensitive to
+    # quantization (DENSE_RECIPES), so a recipe can keep them wider.
+    kind = "first_layer" if i == 0 else "matmul"
     h, q, c, r = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     indexer = None
     if cfg.has_indexer(i):
       hi, di = cfg.index_n_heads, cfg.index_head_dim
       indexer = Indexer(
-          wq_b=mat((hi * di, q), ("index_heads", "q_lora"), f"{a}.indexer.wq_b.weight"),
-          wk=mat((di, d), ("index_head_dim", "embed"), f"{a}.indexer.wk.weight"),
+          wq_b=mat((hi * di, q), ("index_heads", "q_lora"), f"{a}.indexer.wq_b.weight", q=kind),
+          wk=mat((di, d), ("index_head_dim", "embed"), f"{a}.indexer.wk.weight", q=kind),
           k_norm_w=info((di,), ("norm",), f"{a}.indexer.k_norm.weight", init="ones"),
           k_norm_b=info((di,), ("norm",), f"{a}.indexer.k_norm.bias", init="zeros"),
           weights_proj=info((hi, d), ("index_heads", "embed"), f"{a}.indexer.weights_proj.weight",
                             dt=f32))
     attn = Attention(
-        q_a=mat((q, d), ("q_lora", "embed"), f"{a}.q_a_proj.weight"),
+        q_a=mat((q, d), ("q_lora", "embed"), f"{a}.q_a_proj.weight", q=kind),
         q_a_norm=norm(q, f"{a}.q_a_layernorm.weight"),
-        q_b=mat((h * cfg.qk_head_dim, q), ("heads", "q_lora"), f"{a}.q_b_proj.weight"),
-        kv_a=mat((c + r, d), ("kv_lora", "embed"), f"{a}.kv_a_proj_with_mqa.weight"),
+        q_b=mat((h * cfg.qk_head_dim, q), ("heads", "q_lora"), f"{a}.q_b_proj.weight", q=kind),
+        kv_a=mat((c + r, d), ("kv_lora", "embed"), f"{a}.kv_a_proj_with_mqa.weight", q=kind),
         kv_a_norm=norm(c, f"{a}.kv_a_layernorm.weight"),
         kv_b=mat((h * (cfg.qk_nope_head_dim + cfg.v_head_dim), c), ("heads", "kv_lora"),
-                  f"{a}.kv_b_proj.weight"),
-        o=mat((d, h * cfg.v_head_dim), ("embed", "heads"), f"{a}.o_proj.weight"),
+                  f"{a}.kv_b_proj.weight", q=kind),
+        o=mat((d, h * cfg.v_head_dim), ("embed", "heads"), f"{a}.o_proj.weight", q=kind),
         indexer=indexer)
     if cfg.is_moe(i):
       e, m = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -216,10 +220,10 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
               gate_up=info((e, 2 * m, d), ("experts", "moe_mlp", "embed"),
                            f"{ep}.gate_proj.weight", f"{ep}.up_proj.weight"),
               down=info((e, d, m), ("experts", "embed", "moe_mlp"), f"{ep}.down_proj.weight")),
-          shared=(mlp(f"{p}.mlp.shared_experts", cfg.shared_intermediate_size)
+          shared=(mlp(f"{p}.mlp.shared_experts", cfg.shared_intermediate_size, kind)
                   if cfg.n_shared_experts else None))
     else:
-      ffn = mlp(f"{p}.mlp", cfg.intermediate_size)
+      ffn = mlp(f"{p}.mlp", cfg.intermediate_size, kind)
     return Layer(attn_norm=norm(d, f"{p}.input_layernorm.weight"), attn=attn,
                  mlp_norm=norm(d, f"{p}.post_attention_layernorm.weight"), mlp=ffn)
 
@@ -238,32 +242,59 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
       lm_head=None if cfg.tie_word_embeddings else info(
           (cfg.vocab_size, d), ("vocab", "embed"), "lm_head.weight", q="head"),
       mtp=[mtp(n + j) for j in range(cfg.num_nextn_predict_layers)] if with_mtp else []),
-      dense_bits, dense_group_size)
+      dense_bits, dense_group_size, dense_first_layer_bits)
 
 
 # Each dense format's widths per kind of quantizable leaf (0: kept float, in the store's dense
-# dtype). Measured on the embedded model (scripts/dense_kl.py, KL against the float model):
+# dtype). Measured on the embedded model (scripts/dense_kl.py, KL against the float model, and
+# what each store adds to the default int4-expert store's KL on 10 held-out files):
 # - int8: the embedding stays bfloat16 (a gather: it costs no compute, and int8 rows alone add
 #   4.4e-4 nats/token); GLM-5's int8 dense part still plans at 19.34 GB.
 # - int4: the head int8 and the embedding int4 (1.37e-2 against 2.09e-2 all int4, and 1.82e-2
 #   the other way round, at the same bytes): the head is the most sensitive matrix (int4 head
-#   alone 7.1e-3), and GLM-5's int4 dense part has no room for both (10.19 GB).
-DENSE_RECIPES = {8: {"matmul": 8, "head": 8, "embedding": 0},
-                 4: {"matmul": 4, "head": 8, "embedding": 4}}
+#   alone 7.1e-3), and GLM-5's int4 dense part has no room for both.
+# - The first decoder layer is its own kind, at the matmul width in both recipes: wider is an
+#   option (`first_layer_bits`). Kept float under int8 it adds under 1e-4 (-6.9e-5 against
+#   +2.45e-4), but GLM-5's plan grows to 19.70 GB (over 19.5); int8 under int4 cuts the added KL
+#   by 37% (1.27e-2 to 8.1e-3) for 0.20e9 bytes (10.38 GB), and costs the synthetic
+#   two-layer benchmark store, whose first layer holds over half its dense bytes, a tenth of
+#   its int4 decode speed (GLM-5's first layer is 2.1% of its dense part).
+DENSE_RECIPES = {8: {"first_layer": 8, "matmul": 8, "head": 8, "embedding": 0},
+                 4: {"first_layer": 4, "matmul": 4, "head": 8, "embedding": 4}}
+FIRST_LAYER_BITS = (0, 4, 8)  # 0: the first decoder layer's matrices stay float
 
 
-def dense_format(tree: Weights, bits: int, group_size: int = 64) -> Weights:
+def dense_format(tree: Weights, bits: int, group_size: int = 64,
+                 first_layer_bits: int | None = None) -> Weights:
   """`tree` with its quantizable leaves declared as QArrays at the widths `DENSE_RECIPES[bits]`
-  gives their kind. `bits` 0 leaves the tree unchanged."""
+  gives their kind; `first_layer_bits` (None: the recipe's) overrides the first decoder
+  layer's. `bits` 0 leaves the tree unchanged."""
   if bits not in DENSE_BITS:
     raise ValueError(f"dense_bits must be one of {DENSE_BITS}, got {bits}")
+  if first_layer_bits is not None and first_layer_bits not in FIRST_LAYER_BITS:
+    raise ValueError(f"dense_first_layer_bits must be one of {FIRST_LAYER_BITS}, "
+                     f"got {first_layer_bits}")
   if not bits:
     return tree
   check_bits_group(bits, group_size)
-  width = DENSE_RECIPES[bits]
+  width = dict(DENSE_RECIPES[bits])
+  if first_layer_bits is not None:
+    width["first_layer"] = first_layer_bits
   return map_infos(lambda i: dataclasses.replace(i, bits=width[i.quantizable],
                                                  group_size=group_size)
                    if i.quantizable else i, tree)
+
+
+def dense_settings(bits: int, group_size: int = 64, first_layer_bits: int | None = None
+                   ) -> dict[str, int]:
+  """A quantized dense format as a store's manifest records it (under "quant"); {} for float
+  dense weights. The first layer's width is always written, so a store converted before that
+  kind existed (no key: its first layer at `bits`) still reads as written
+  (`store.dense_abstract`)."""
+  if not bits:
+    return {}
+  first = DENSE_RECIPES[bits]["first_layer"] if first_layer_bits is None else first_layer_bits
+  return {"dense_bits": bits, "dense_group_size": group_size, "dense_first_layer_bits": first}
 
 
 def strip_routed(layer: Layer) -> Layer:
@@ -331,23 +362,27 @@ DENSE_FORMATS = {"float32": (jnp.float32, 0), "bfloat16": (jnp.bfloat16, 0),
                  "int8": (jnp.float32, 8), "int4": (jnp.float32, 4)}
 
 
-def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = True
-               ) -> dict[str, int]:
+def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = True,
+               first_layer_bits: int | None = None) -> dict[str, int]:
   """Resident bytes of the dense part (everything but the routed experts) in the dense format
   `fmt` ("float32" | "bfloat16" | "int8" | "int4"), from the declaration alone: nothing is
   allocated.
 
-  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales), a float
-  embedding (int8: `DENSE_RECIPES`) stays bfloat16 (the converter's dense dtype, kept at load by
-  `store.dense_abstract`), and the rest (norms, router and its bias, the indexer's head
-  weights) float32. Returns {"quantized": ..., "float": ..., "total": ...} in bytes.
+  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales; the
+  first decoder layer at `first_layer_bits`, None: the recipe's), the quantizable leaves the
+  recipe keeps float (int8: the embedding) bfloat16 (the converter's dense dtype, which
+  `dtype="auto"` keeps; `store.dense_abstract` keeps the embedding so under any dtype), and the
+  rest (norms, router and its bias, the indexer's head weights) float32. Returns
+  {"quantized": ..., "float": ..., "total": ...} in bytes.
   """
   if fmt not in DENSE_FORMATS:
     raise ValueError(f"dense format must be one of {sorted(DENSE_FORMATS)}, got {fmt!r}")
   dtype, bits = DENSE_FORMATS[fmt]
-  tree = dense_only(abstract(cfg, dtype, with_mtp, dense_bits=bits, dense_group_size=group_size))
-  if bits and not tree.embed.quantized:
-    tree = dataclasses.replace(tree, embed=dataclasses.replace(tree.embed, dtype=jnp.bfloat16))
+  tree = dense_only(abstract(cfg, dtype, with_mtp, dense_bits=bits, dense_group_size=group_size,
+                             dense_first_layer_bits=first_layer_bits))
+  if bits:
+    tree = map_infos(lambda i: dataclasses.replace(i, dtype=jnp.bfloat16)
+                     if i.quantizable and not i.quantized else i, tree)
   quantized = sum(i.nbytes for i in leaves_with_info(tree) if i.quantized)
   total = nbytes(tree)
   return {"quantized": quantized, "float": total - quantized, "total": total}
