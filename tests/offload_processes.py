@@ -33,8 +33,8 @@ flags.DEFINE_string("out", None, "Output directory.", required=True)
 flags.DEFINE_string("budgets", "3:4", "device:host expert counts, comma-separated.")
 flags.DEFINE_integer("tokens", 4, "Greedy tokens to generate per budget pair.")
 flags.DEFINE_string("draft", "0", "MTP drafts per step (0: off).")
-flags.DEFINE_integer("die", -1, "This process index kills itself (SIGKILL) once loaded: the "
-                     "others must fail with an error naming it.")
+flags.DEFINE_integer("die", -1, "This process index kills itself (SIGKILL) after a first scored "
+                     "batch: the others' next one must fail with an error naming it.")
 distributed.define_flags()
 
 GB = 1 << 30
@@ -58,8 +58,14 @@ def one_pair(store: str, dev: int, host: int, chunk: int, n_layers: int, mesh,
                    device_cache_gb=dev and (dev * n_layers * chunk + chunk // 2) / GB,
                    host_cache_gb=host and (host * chunk + chunk // 2) / GB) as m:
     eng = m.engine
-    if FLAGS.die == jax.process_index():
-      os.kill(os.getpid(), signal.SIGKILL)
+    if FLAGS.die >= 0:
+      # Every process compiles and scores once, then one dies: the others' next, compiled,
+      # step meets the closed connection at its first collective. (Dying at load raced the
+      # others' first compile, seconds of tracing and kernel self-tests on a loaded machine,
+      # against the coordination service's heartbeat, which then ended them without the error.)
+      m.score(TOKS)
+      if FLAGS.die == jax.process_index():
+        os.kill(os.getpid(), signal.SIGKILL)
     logits = np.asarray(m.score(TOKS))
     result = m.generate(PROMPT, FLAGS.tokens, temperature=0.0, draft=int(FLAGS.draft))
     tokens = [int(t) for t in result.tokens]

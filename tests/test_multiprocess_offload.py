@@ -192,9 +192,10 @@ def test_generate_script_on_two_processes_gives_the_one_process_tokens(runs):
 
 
 def test_a_dead_process_fails_the_other_naming_it(tmp_path):
-  """Process 1 is killed (SIGKILL) once loaded: process 0's next psum finds its gloo connection
-  closed and fails at once with a PeerError naming process 1, well within the bound (the
-  coordination service's heartbeat, 10 s here, bounds what the sockets do not show)."""
+  """Process 1 is killed (SIGKILL) after both processes scored a batch: process 0's next
+  (compiled) step finds its gloo connection closed at its first psum and fails at once with a
+  PeerError naming process 1, well within the bound (the coordination service's heartbeat, 10 s
+  here, bounds what the sockets do not show)."""
   from glmjax.formats.synthetic import make_synthetic_store
   store = str(tmp_path / "store")
   make_synthetic_store(store, geometry="tiny", moe_layers=2, experts=16, seed=3)

@@ -2,6 +2,7 @@
 simulator reach each of them through the same function, and agree on its outcome (the tier
 rules' test is tests/test_replay.py::test_the_engine_and_its_simulator_share_the_tier_rules)."""
 
+import collections
 import concurrent.futures as cf
 import importlib
 import json
@@ -87,3 +88,23 @@ def test_the_prefetcher_and_its_simulator_share_landing_and_expiry(embedded_stor
   assert engine_seen == seen == [("land_free", [2, 3]), ("take", 2, "useful"),
                                      ("expire", [3])]
   assert (r["prefetch_issued"], r["prefetch_useful"], r["prefetch_wasted"]) == (2, 1, 1)
+
+
+def test_only_the_reads_the_last_landing_held_expire():
+  """`PrefetchLedger.expire` drops a layer's pending reads that the last landing held
+  (`hold`), and no other: not a read issued since (it has not had its landing yet), not
+  another layer's, not a key the landing held that was taken and read again since."""
+  stats = collections.Counter()
+  ledger = rules.PrefetchLedger(stats, layer_of=lambda key: key[0])
+  for key in [(0, 1), (0, 2), (0, 3), (1, 1)]:
+    ledger.issue(key, handle=key)
+  ledger.hold(rules.land_free([(0, 1), (0, 2), (1, 1)], lambda key: False, None))
+  ledger.issue((0, 4), handle=(0, 4))  # after the landing
+  assert ledger.take((0, 2), "useful") == (0, 2)  # the step's miss takes it...
+  ledger.issue((0, 2), handle="again")  # ...and a later read of it is a new one
+  gone = ledger.expire(0)
+  assert gone == [((0, 1), (0, 1))]
+  assert set(ledger.pending) == {(0, 2), (0, 3), (0, 4), (1, 1)}
+  assert (stats["prefetch_wasted"], stats["prefetch_useful"], stats["prefetch_issued"]) == (1, 1, 6)
+  ledger.hold([(0, 3)])  # the next landing replaces the held set
+  assert ledger.expire(1) == [] and [k for k, _ in ledger.expire(0)] == [(0, 3)]

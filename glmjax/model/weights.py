@@ -186,7 +186,7 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
     # The first decoder layer's matrices are a kind of their own: the most sensitive to
-    # quantization (DENSE_RECIPES), so a recipe can keep them wider.
+    # quantization (DENSE_RECIPES), so they can be kept wider (`dense_first_layer_bits`).
     kind = "first_layer" if i == 0 else "matmul"
     h, q, c, r = cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     indexer = None

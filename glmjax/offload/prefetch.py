@@ -42,12 +42,7 @@ class Prefetcher:
     self.tiers, self.reader, self.store, self.stats = tiers, reader, store, stats
     self.moe_layers, self.n_experts = moe_layers, n_experts
     self.enabled, self.pilot_k, self.couple_k = enabled, pilot_k, couple_k
-    # Held: the reads the last landing found finished with no room. Only those expire; one
-    # that finished after the landing has not had its chance to land yet (dropping it made
-    # the tiers depend on read timing: a fill read dropped so, then read again on demand).
-    self._held: set = set()
-    self.ledger = PrefetchLedger(stats, layer_of=lambda key: key[0],
-                                 finished=lambda h: h[0] in self._held)
+    self.ledger = PrefetchLedger(stats, layer_of=lambda key: key[0])
     tiers.on_evict = self.ledger.evicted  # a landed read evicted unused was wasted
     self.pilot_pred: dict[int, set] = {}  # layer → experts the pilot predicted this step
     self.couple_path = couple_path
@@ -88,8 +83,7 @@ class Prefetcher:
     out what the next tokens needed (at a 12.5% host cache: 900 against 713 kB read per token,
     BUILD_NOTES §12)."""
     done = [k for k, (fut, kind) in self.ledger.pending.items() if kind != DEMAND and fut.done()]
-    held = land_free(done, self.room_for, self._store)
-    self._held = {self.ledger.pending[k][0] for k in held}
+    self.ledger.hold(land_free(done, self.room_for, self._store))
     self.tiers.slabs.flush()
 
   def _store(self, key) -> None:

@@ -231,31 +231,39 @@ def land_free(keys, room, store) -> list:
 
 class PrefetchLedger:
   """What becomes of each prefetched read. Keys are the caller's (the engine: (layer, expert);
-  the simulator: j·E + expert), `layer_of(key)` their layer, and `finished(handle)` whether a
-  pending read is held: it had finished at the last landing and found no room (the
-  simulator's reads always have finished). Counters go to `stats` as
+  the simulator: j·E + expert), `layer_of(key)` their layer. Counters go to `stats` as
   prefetch_issued, prefetch_useful, prefetch_late, prefetch_failed and prefetch_wasted.
 
   - An issued read waits in `pending` (key → the caller's handle) until it lands, into free
-    room only (`land_free`); one with no room stays pending, held for its layer's next step.
+    room only (`land_free`); one with no room stays pending, held for its layer's next step
+    (`hold`: the keys the last landing held).
   - That step's miss takes the held read instead of reading again (`take`); then the held reads
-    it did not use are dropped as wasted (`expire`: the held-prefetch expiry).
+    it did not use are dropped as wasted (`expire`: the held-prefetch expiry). A read that
+    finished after the last landing is not held: it has not had its chance to land yet
+    (dropping it made the engine's tiers depend on read timing).
   - A landed read (`landed`) is useful when a step uses it and wasted if it is evicted first
     (`used`, `evicted`)."""
 
-  def __init__(self, stats, layer_of, finished=lambda handle: True):
-    self.stats, self.layer_of, self.finished = stats, layer_of, finished
+  def __init__(self, stats, layer_of):
+    self.stats, self.layer_of = stats, layer_of
     self.pending: dict = {}
+    self.held: set = set()  # pending keys the last landing found no room for
     self.landed: set = set()
 
   def issue(self, key, handle=None) -> None:
     self.pending[key] = handle
     self.stats["prefetch_issued"] += 1
 
+  def hold(self, keys) -> None:
+    """Records the keys a landing held for want of room (`land_free`'s result): the ones the
+    next `expire` of their layer may drop. Each landing replaces the last's."""
+    self.held = set(keys)
+
   def resolve(self, key, outcome: str):
     """`key`'s read leaves `pending`: "landed" (stored; it waits to be used), or counted as
     prefetch_`outcome` ("useful", "late", "failed", "wasted"). Returns its handle."""
     handle = self.pending.pop(key)
+    self.held.discard(key)  # a later read of the key is held only by a later landing
     if outcome == "landed":
       self.landed.add(key)
     else:
@@ -270,11 +278,11 @@ class PrefetchLedger:
     return self.resolve(key, outcome)
 
   def expire(self, layer: int, outcome=lambda handle: "wasted") -> list:
-    """The held-prefetch expiry: once `layer`'s step has taken what it used, its finished reads
-    still pending are dropped, counted by `outcome(handle)` (wasted, or failed). Returns their
+    """The held-prefetch expiry: once `layer`'s step has taken what it used, its reads the last
+    landing held are dropped, counted by `outcome(handle)` (wasted, or failed). Returns their
     [(key, handle)]."""
     gone = [(k, h) for k, h in self.pending.items()
-            if self.layer_of(k) == layer and self.finished(h)]
+            if self.layer_of(k) == layer and k in self.held]
     for k, h in gone:
       self.resolve(k, outcome(h))
     return gone

@@ -350,6 +350,7 @@ class _Prefetcher:
       free, landing = max(nxt.capacity - len(nxt), 0), []
       land_free(todo, lambda k: len(landing) < free, landing.append)
     self.ledger.evicted(nxt.admit(landing, q, protect, prefetch=True))
+    self.ledger.hold([k for k in todo if k not in nxt])  # no room: held, as land_free's
     for i, k in enumerate(todo):
       if k in nxt:
         self.ledger.resolve(k, "landed")
