@@ -59,9 +59,8 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     return 1
   dt = time.perf_counter() - t0
-  bits = m["quant"].get("dense_bits", 0)
-  dense, experts, _ = store_bytes(m["source_config"], bits,
-                                  m["quant"].get("dense_first_layer_bits", bits) if bits else None)
+  dense, experts, _ = store_bytes(m["source_config"], m["quant"].get("dense_bits", 0),
+                                  m["quant"].get("dense_first_layer_bits"))
   gb = (dense + experts) / 1e9
   what = (f"{len(m['moe_layers'])} MoE layers × {m['source_config']['n_routed_experts']} "
           f"experts, {gb:.2f} GB")

@@ -98,7 +98,9 @@ def test_declaration_marks_the_dense_matmuls():
   assert weights.dense_settings(4) == {"dense_bits": 4, "dense_group_size": 64,
                                        "dense_first_layer_bits": 4}
   assert weights.dense_settings(8, 32, 0)["dense_first_layer_bits"] == 0
-  assert weights.dense_settings(0, 32, 0) == {}
+  assert weights.dense_settings(0, 32) == {}
+  with pytest.raises(ValueError, match="needs dense_bits"):
+    weights.dense_settings(0, 32, 0)
   with pytest.raises(ValueError, match="dense_first_layer_bits"):
     weights.abstract(cfg, dense_bits=4, dense_first_layer_bits=2)
 

@@ -24,8 +24,7 @@ from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, exp
 from glmjax.formats.quantize import quantize, quantize_into
 from glmjax.model.config import Config
 from glmjax.errors import CheckpointError, InputError
-from glmjax.model.weights import (DENSE_BITS, FIRST_LAYER_BITS, MoE, dense_format, dense_settings,
-                                  leaves_with_info)
+from glmjax.model.weights import DENSE_BITS, MoE, dense_format, dense_settings, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
 # Test hook: exit abruptly after this many expert chunks, as a kill would.
@@ -146,12 +145,12 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     raise CheckpointError(f"dense_bits must be 8 or 4 (0: unquantized), got {dense_bits}")
   if dense_bits and (dense_group_size < 2 or dense_group_size % 2):
     raise CheckpointError(f"dense_group_size must be an even number ≥ 2, got {dense_group_size}")
-  if dense_first_layer_bits not in (None, *FIRST_LAYER_BITS):
-    raise CheckpointError(f"dense_first_layer_bits must be one of {FIRST_LAYER_BITS}, got "
-                          f"{dense_first_layer_bits}")
-  if dense_first_layer_bits is not None and not dense_bits:
-    raise CheckpointError("dense_first_layer_bits needs dense_bits 8 or 4 (the dense weights "
-                          "are not quantized)")
+  try:
+    # The dense format's keys appear only when it is quantized: a store converted before they
+    # existed resumes, and its manifest reads the same.
+    dense_quant = dense_settings(dense_bits, dense_group_size, dense_first_layer_bits)
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
   if os.path.abspath(src) == os.path.abspath(dst):
     raise CheckpointError(f"{dst}: destination must differ from the source")
   cfg = Config.from_json(src)
@@ -176,9 +175,6 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
 
   _writable(dst)
   ddtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dense_dtype]
-  # The dense format's keys appear only when it is quantized: a store converted before they
-  # existed resumes, and its manifest reads the same.
-  dense_quant = dense_settings(dense_bits, dense_group_size, dense_first_layer_bits)
   settings = {"expert_bits": expert_bits, "mtp_bits": mtp_bits, "group_size": group_size,
               "dense_dtype": dense_dtype, **dense_quant, **calibrated, "source_config": raw_config}
   prog = _Progress(dst, settings)

@@ -55,7 +55,7 @@ from glmjax.errors import CheckpointError, InputError
 from glmjax.formats import embedded, store
 from glmjax.model.config import Config
 from glmjax.formats.quantize import quantize
-from glmjax.model.weights import DENSE_BITS, FIRST_LAYER_BITS, MoE, abstract, dense_settings
+from glmjax.model.weights import DENSE_BITS, MoE, abstract, dense_settings
 
 GROUP_SIZE = 64
 EXPERT_BITS, MTP_BITS = 4, 8
@@ -424,17 +424,15 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     raise InputError(f"zipf must be a number in [0, 16] (0 = no skew), got {zipf!r}")
   if dense_bits not in DENSE_BITS:
     raise InputError(f"dense_bits must be one of {DENSE_BITS} (0: bf16), got {dense_bits!r}")
-  if dense_first_layer_bits not in (None, *FIRST_LAYER_BITS) or (
-      dense_first_layer_bits is not None and not dense_bits):
-    raise InputError(f"dense_first_layer_bits must be one of {FIRST_LAYER_BITS}, with "
-                     f"dense_bits 8 or 4; got {dense_first_layer_bits!r} (dense_bits {dense_bits})")
+  try:  # absent for bf16, so stores written before the option still match
+    dense_quant = dense_settings(dense_bits, GROUP_SIZE, dense_first_layer_bits)
+  except ValueError as e:
+    raise InputError(str(e)) from None
   raw = synthetic_config(geometry, moe_layers, experts, vocab_size, mtp)
   cfg = Config.from_dict(raw)
   settings = {"geometry": geometry, "moe_layers": moe_layers,
               "experts": cfg.n_routed_experts, "vocab_size": cfg.vocab_size, "seed": seed,
               "zipf": float(zipf), "mtp": bool(mtp)}
-  # Absent for bf16, so stores written before the option still match.
-  dense_quant = dense_settings(dense_bits, GROUP_SIZE, dense_first_layer_bits)
   if dense_bits:
     settings["dense_bits"] = dense_bits
     settings["dense_first_layer_bits"] = dense_quant["dense_first_layer_bits"]

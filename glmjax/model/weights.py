@@ -290,7 +290,11 @@ def dense_settings(bits: int, group_size: int = 64, first_layer_bits: int | None
   """A quantized dense format as a store's manifest records it (under "quant"); {} for float
   dense weights. The first layer's width is always written, so a store converted before that
   kind existed (no key: its first layer at `bits`) still reads as written
-  (`store.dense_abstract`)."""
+  (`store.dense_abstract`). Raises ValueError for a first-layer width out of range or without
+  `bits` (the writers' one check)."""
+  if first_layer_bits is not None and (first_layer_bits not in FIRST_LAYER_BITS or not bits):
+    raise ValueError(f"dense_first_layer_bits needs dense_bits 8 or 4 and must be one of "
+                     f"{FIRST_LAYER_BITS}; got {first_layer_bits} (dense_bits {bits})")
   if not bits:
     return {}
   first = DENSE_RECIPES[bits]["first_layer"] if first_layer_bits is None else first_layer_bits
