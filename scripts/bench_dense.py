@@ -11,7 +11,9 @@
 2. Decode on synthetic GLM-5-geometry stores (one dense and one MoE layer, `--experts` routed
    experts, `--vocab_size`, no MTP; `make_synthetic_store`), written under `--work` and deleted
    afterwards: bf16 stored (loaded as float32 and as bfloat16 dense weights), `dense_bits=8`
-   and `4`, and `4` with its first decoder layer int8 (`--dense_first_layer_bits=8`).
+   and `4`, `4` with its first decoder layer int8 (`--dense_first_layer_bits=8`), and `8` at
+   group 128 with its first layer bf16 (the int8 store that meets issue 28's KL target within
+   its bytes bound; loaded with `dtype="auto"`, so the first layer stays bf16).
    Every store holds all its experts in memory (no I/O), KV in float32 for all, so only the
    dense format differs. Median `decode_tok_s` over `--runs` greedy generations.
 
@@ -113,24 +115,26 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
   import glmjax
   from glmjax.formats.synthetic import make_synthetic_store
   from glmjax.model import weights
-  # (row, dense_bits, first layer's bits (None: the recipe's), load dtype). The last row is
-  # the int4 store with its first layer int8 (`--dense_first_layer_bits=8`): what that costs
-  # on a store whose first (dense) layer holds over half its dense bytes (GLM-5: 2.1%).
-  plans = (("float32", 0, None, "float32"), ("bfloat16", 0, None, "bfloat16"),
-           ("int8", 8, None, "float32"), ("int4", 4, None, "float32"),
-           ("int4, first layer int8", 4, 8, "float32"))
+  # (row, dense_bits, first layer's bits (None: the recipe's), group size, load dtype). The
+  # last two rows widen the first layer: what that costs on a store whose first (dense) layer
+  # holds over half its dense bytes (GLM-5: 2.1%).
+  plans = (("float32", 0, None, 64, "float32"), ("bfloat16", 0, None, 64, "bfloat16"),
+           ("int8", 8, None, 64, "float32"), ("int4", 4, None, 64, "float32"),
+           ("int4, first layer int8", 4, 8, 64, "float32"),
+           ("int8 G128, first layer bf16", 8, 0, 128, "auto"))
   out = {}
-  for store_key in dict.fromkeys((b, f) for _, b, f, _ in plans):
-    bits, first = store_key
-    path = os.path.join(work, f"dense{bits}_{first}")
+  for store_key in dict.fromkeys((b, f, g) for _, b, f, g, _ in plans):
+    bits, first, group = store_key
+    path = os.path.join(work, f"dense{bits}_{first}_{group}")
     t0 = time.perf_counter()
     make_synthetic_store(path, geometry="glm5", moe_layers=1, experts=experts,
                          vocab_size=vocab_size, mtp=False, progress=False, dense_bits=bits,
-                         dense_first_layer_bits=first)
-    print(f"  store dense_bits={bits} first layer {first or 'recipe'}: "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    for fmt, b, f, dtype in plans:
-      if (b, f) != store_key:
+                         dense_first_layer_bits=first, dense_group_size=group)
+    print(f"  store dense_bits={bits} G{group} first layer "
+          f"{'recipe' if first is None else first}: {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    for fmt, b, f, g, dtype in plans:
+      if (b, f, g) != store_key:
         continue
       with glmjax.load(path, dtype=dtype, kv_dtype="float32", progress=False) as m:
         dense = m.engine.dense if m.engine is not None else m.weights

@@ -35,10 +35,13 @@ flags.DEFINE_bool("mtp", True, "Include GLM-5's MTP layer (its experts int8, gro
 flags.DEFINE_integer("workers", 2, "Threads generating and writing expert chunks.")
 flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
                   "Dense weights: 0 bf16; 8 or 4 the quantized dense format `convert.py "
-                  "--dense_bits` writes (group 64).")
+                  "--dense_bits` writes.")
 flags.DEFINE_enum("dense_first_layer_bits", "auto", ["auto", "0", "4", "8"],
                   "With --dense_bits: the first decoder layer's width (auto: the --dense_bits "
                   "width; 0: bf16), as `convert.py --dense_first_layer_bits`.")
+flags.DEFINE_integer("dense_group_size", 64, "With --dense_bits: input features per scale of "
+                     "the quantized dense weights, as `convert.py --dense_group_size` (the "
+                     "experts stay at 64).")
 
 
 def main(argv):
@@ -54,13 +57,15 @@ def main(argv):
                              seed=FLAGS.seed, zipf=FLAGS.zipf, mtp=FLAGS.mtp,
                              workers=FLAGS.workers, dense_bits=int(FLAGS.dense_bits),
                              dense_first_layer_bits=(None if FLAGS.dense_first_layer_bits == "auto"
-                                                     else int(FLAGS.dense_first_layer_bits)))
+                                                     else int(FLAGS.dense_first_layer_bits)),
+                             dense_group_size=FLAGS.dense_group_size)
   except GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   dt = time.perf_counter() - t0
-  dense, experts, _ = store_bytes(m["source_config"], m["quant"].get("dense_bits", 0),
-                                  m["quant"].get("dense_first_layer_bits"))
+  q = m["quant"]
+  dense, experts, _ = store_bytes(m["source_config"], q.get("dense_bits", 0),
+                                  q.get("dense_first_layer_bits"), q.get("dense_group_size", 64))
   gb = (dense + experts) / 1e9
   what = (f"{len(m['moe_layers'])} MoE layers × {m['source_config']['n_routed_experts']} "
           f"experts, {gb:.2f} GB")

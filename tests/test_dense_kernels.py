@@ -16,8 +16,11 @@ from pallas_kernels import cpu, cpu_dense, cpu_dense_ffi
 O_ROWS = 45  # not a multiple of a row block or a prange chunk
 I_FEATURES = 200  # not a multiple of the group (64), of 16 lanes or of 32
 # 200: padded input (int: K padded to the group; bf16: the row-buffer path at every T);
-# 256: whole groups and chunks (bf16 decode streams rows in registers).
-WIDTHS = (200, 256)
+# 256: whole groups and chunks (bf16 decode streams rows in registers, one at a time);
+# 6144 (GLM-5's hidden): bf16 decode streams four rows at a time (`_BF16_ROWS4_MIN_K`), 45 rows
+# leave one for the one-row loop.
+WIDTHS = (200, 256, 6144)
+assert cpu_dense._BF16_ROWS4_MIN_K <= WIDTHS[-1]
 
 
 def reference(x, w):

@@ -217,21 +217,24 @@ def test_interrupted_store_is_started_over(tmp_path, stores, monkeypatch):
   assert store.read_manifest(str(dst))["dense"] == store.read_manifest(stores["a"])["dense"]
 
 
-@pytest.mark.parametrize("bits,first", [(8, None), (4, None), (4, 8)])
-def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path, bits, first):
+@pytest.mark.parametrize("bits,first,group", [(8, None, 64), (8, 0, 128), (4, None, 64),
+                                               (4, 8, 64)])
+def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path, bits, first,
+                                                       group):
   """`dense_bits` 8 / 4: the manifest and the declaration say so, the store loads its
-  quantizable leaves as QArrays at `DENSE_RECIPES`' widths, and each is the converter's
-  quantizer applied to the bf16 leaf the plain store (same seed) holds; the rest is unchanged."""
+  quantizable leaves as QArrays at `DENSE_RECIPES`' widths (the first layer's as given; 0: the
+  plain store's bf16) and `group`, and each is the converter's quantizer applied to the bf16
+  leaf the plain store (same seed) holds; the rest is unchanged."""
   from glmjax.formats.quantize import quantize
   from glmjax.model.quant import QArray
   from glmjax.model.weights import DENSE_RECIPES
   dst = str(tmp_path / f"d{bits}")
-  m = make(dst, seed=0, dense_bits=bits, dense_first_layer_bits=first)
+  m = make(dst, seed=0, dense_bits=bits, dense_first_layer_bits=first, dense_group_size=group)
   widths = dict(DENSE_RECIPES[bits], **({} if first is None else {"first_layer": first}))
-  assert m["quant"]["dense_bits"] == bits and m["quant"]["dense_group_size"] == 64
+  assert m["quant"]["dense_bits"] == bits and m["quant"]["dense_group_size"] == group
   assert m["synthetic"]["dense_bits"] == bits
   assert m["quant"]["dense_first_layer_bits"] == widths["first_layer"]
-  dense, _, _ = synthetic.store_bytes(m["source_config"], bits, first)
+  dense, _, _ = synthetic.store_bytes(m["source_config"], bits, first, group)
   assert dense < synthetic.store_bytes(m["source_config"])[0]
   with glmjax.load(dst, progress=False) as mq:
     wq, wa = mq.weights, model_a.weights
@@ -240,8 +243,12 @@ def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path
              (wq.layers[1].mlp.shared.gate_up, wa.layers[1].mlp.shared.gate_up, "matmul"),
              (wq.lm_head, wa.lm_head, "head")]
     for q, plain, kind in pairs:
-      assert isinstance(q, QArray) and q.bits == widths[kind]
-      want = quantize(np.asarray(plain), q.bits, 64)
+      if not widths[kind]:  # kept float: the plain store's bf16 values
+        assert not isinstance(q, QArray)
+        np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(plain, np.float32))
+        continue
+      assert isinstance(q, QArray) and (q.bits, q.group_size) == (widths[kind], group)
+      want = quantize(np.asarray(plain), q.bits, group)
       np.testing.assert_array_equal(np.asarray(q.packed), want.packed)
       np.testing.assert_array_equal(np.asarray(q.scales), want.scales)
     assert not isinstance(wq.layers[1].mlp.router, QArray)
@@ -252,3 +259,5 @@ def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path
     make(str(tmp_path / "bad"), dense_bits=2)
   with pytest.raises(GlmjaxError, match="dense_first_layer_bits"):
     make(str(tmp_path / "bad"), dense_first_layer_bits=0)  # needs dense_bits
+  with pytest.raises(GlmjaxError, match="dense_group_size"):
+    make(str(tmp_path / "bad"), dense_bits=8, dense_group_size=63)

@@ -143,8 +143,6 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     raise CheckpointError(f"dense_dtype must be one of {_DENSE_DTYPES}, got {dense_dtype!r}")
   if dense_bits not in DENSE_BITS:
     raise CheckpointError(f"dense_bits must be 8 or 4 (0: unquantized), got {dense_bits}")
-  if dense_bits and (dense_group_size < 2 or dense_group_size % 2):
-    raise CheckpointError(f"dense_group_size must be an even number ≥ 2, got {dense_group_size}")
   try:
     # The dense format's keys appear only when it is quantized: a store converted before they
     # existed resumes, and its manifest reads the same.

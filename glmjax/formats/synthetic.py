@@ -361,18 +361,19 @@ def _free_bytes(path: str) -> int:
   return shutil.disk_usage(path).free
 
 
-def _dense_tree(cfg: Config, mtp: bool, dense_bits: int, first_layer_bits: int | None = None):
+def _dense_tree(cfg: Config, mtp: bool, dense_bits: int, first_layer_bits: int | None = None,
+                group_size: int = GROUP_SIZE):
   """The declared dense tree a synthetic store writes: bf16 (float32 where declared so), the
   quantizable leaves as QArrays under `dense_bits` (the converter's rule, `dense_format`)."""
   return abstract(cfg, jnp.bfloat16, with_mtp=mtp, dense_bits=dense_bits,
-                  dense_group_size=GROUP_SIZE, dense_first_layer_bits=first_layer_bits)
+                  dense_group_size=group_size, dense_first_layer_bits=first_layer_bits)
 
 
-def store_bytes(raw_config: dict, dense_bits: int = 0, first_layer_bits: int | None = None
-                ) -> tuple[int, int, dict]:
+def store_bytes(raw_config: dict, dense_bits: int = 0, first_layer_bits: int | None = None,
+                dense_group_size: int = GROUP_SIZE) -> tuple[int, int, dict]:
   """(dense bytes, expert bytes, {group: (layers, layout)}) of a synthetic store's config."""
   cfg = Config.from_dict(raw_config)
-  tree = _dense_tree(cfg, True, dense_bits, first_layer_bits)
+  tree = _dense_tree(cfg, True, dense_bits, first_layer_bits, dense_group_size)
   dense = 0
   for part in store.dense_parts(tree).values():
     for info in store.flat_leaves(part).values():
@@ -393,7 +394,8 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
                          experts: int | None = None, vocab_size: int | None = None,
                          seed: int = 0, zipf: float = 0.0, mtp: bool = True, workers: int = 2,
                          progress: bool = True, dense_bits: int = 0,
-                         dense_first_layer_bits: int | None = None) -> dict:
+                         dense_first_layer_bits: int | None = None,
+                         dense_group_size: int = GROUP_SIZE) -> dict:
   """Writes a store of random weights at `dst`; returns its manifest.
 
   Args:
@@ -413,6 +415,8 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
       quantized by the converter's quantizer.
     dense_first_layer_bits: the first decoder layer's width under `dense_bits` (None: the
       recipe's, `weights.DENSE_RECIPES`; 0: bf16), as `convert --dense_first_layer_bits`.
+    dense_group_size: input features per scale of the quantized dense leaves, as
+      `convert --dense_group_size` (the experts stay at group 64).
   """
   import orbax.checkpoint as ocp
   import tensorstore as ts
@@ -425,7 +429,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
   if dense_bits not in DENSE_BITS:
     raise InputError(f"dense_bits must be one of {DENSE_BITS} (0: bf16), got {dense_bits!r}")
   try:  # absent for bf16, so stores written before the option still match
-    dense_quant = dense_settings(dense_bits, GROUP_SIZE, dense_first_layer_bits)
+    dense_quant = dense_settings(dense_bits, dense_group_size, dense_first_layer_bits)
   except ValueError as e:
     raise InputError(str(e)) from None
   raw = synthetic_config(geometry, moe_layers, experts, vocab_size, mtp)
@@ -436,7 +440,10 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
   if dense_bits:
     settings["dense_bits"] = dense_bits
     settings["dense_first_layer_bits"] = dense_quant["dense_first_layer_bits"]
-  dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits, dense_first_layer_bits)
+    if dense_group_size != GROUP_SIZE:  # absent at 64, so stores written before still match
+      settings["dense_group_size"] = dense_group_size
+  dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits, dense_first_layer_bits,
+                                                  dense_group_size)
   need = dense_bytes + expert_bytes
   done = _prepare(dst, settings, need)
   if done is not None:
@@ -452,7 +459,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     with lock:
       bar.update(n)
 
-  tree = _dense_tree(cfg, mtp, dense_bits, dense_first_layer_bits)
+  tree = _dense_tree(cfg, mtp, dense_bits, dense_first_layer_bits, dense_group_size)
   rank_bias = (zipf_bias(cfg.n_routed_experts, cfg.num_experts_per_tok, zipf,
                          _rng(seed, _ZIPF)) if zipf else None)
   # Dense parts go through orbax (compression, ~250 MB/s) in their own thread while the pool

@@ -291,7 +291,10 @@ def dense_settings(bits: int, group_size: int = 64, first_layer_bits: int | None
   dense weights. The first layer's width is always written, so a store converted before that
   kind existed (no key: its first layer at `bits`) still reads as written
   (`store.dense_abstract`). Raises ValueError for a first-layer width out of range or without
-  `bits` (the writers' one check)."""
+  `bits`, or a group size that is not an even number ≥ 2 (the writers' one check)."""
+  if bits and (isinstance(group_size, bool) or not isinstance(group_size, int)
+               or group_size < 2 or group_size % 2):
+    raise ValueError(f"dense_group_size must be an even number ≥ 2, got {group_size!r}")
   if first_layer_bits is not None and (first_layer_bits not in FIRST_LAYER_BITS or not bits):
     raise ValueError(f"dense_first_layer_bits needs dense_bits 8 or 4 and must be one of "
                      f"{FIRST_LAYER_BITS}; got {first_layer_bits} (dense_bits {bits})")
