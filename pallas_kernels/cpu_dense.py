@@ -230,7 +230,18 @@ def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
 
 
 @njit(**cpu._JIT)
-def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out):
+def _bf16_head_values(xb, t, kq, w16, row0, v_dim, c_dim, yb):
+  """yb[r * V + v] = W[row0 + v] . xb[r * kq:] for a bf16 W with rows of C: the bf16 matmul's
+  own loops on the head's V rows (so each row's bits do not depend on T)."""
+  w = w16[row0 * c_dim:(row0 + v_dim) * c_dim]
+  if t == 1 and c_dim == kq:
+    _bf16_decode_span(xb, w, c_dim, kq, 0, v_dim, yb)
+  else:
+    _bf16_rows(xb, t, kq, w, c_dim, v_dim, 0, (v_dim + _ROW_BLOCK - 1) // _ROW_BLOCK, 1, yb)
+
+
+@njit(**cpu._JIT)
+def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out):
   """heads_core for head hh (see there)."""
   r0 = hh * (n_dim + v_dim)
   if part == VALUES:  # out[t, hh, v] = W[r0 + N + v] . x[t, hh, :]: the rows' own kernel
@@ -239,7 +250,10 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
       for j in range(c_dim):
         xb[r * kq + j] = x[r, hh * c_dim + j]
     yb = np.empty(t * v_dim, np.float32)
-    cpu.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
+    if bits == BF16:
+      _bf16_head_values(xb, t, kq, w16, r0 + n_dim, v_dim, c_dim, yb)
+    else:
+      cpu.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
     for r in range(t):
       for v in range(v_dim):
         out[r, hh * v_dim + v] = yb[r * v_dim + v]
@@ -248,7 +262,10 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
     wbuf = np.empty(kq, np.float32)
     for nn in range(n_dim):
       row = r0 + nn
-      cpu._decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
+      if bits == BF16:
+        _bf16_decode_rows(w16, c_dim, row, 1, kq, wbuf)
+      else:
+        cpu._decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
       for r in range(t):
         q = x[r, hh * n_dim + nn]
         for j in range(c_dim):
@@ -259,23 +276,27 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
 
 
 @njit(parallel=True, **cpu._JIT)
-def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, sc, out):
-  """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized) applied per head without
-  dequantizing it whole: ``part`` KEYS: ``out[t, h*C + c] = sum_n x[t, h*N + n] W[h(N+V) + n, c]``
-  (the query absorbed into latent space); VALUES: ``out[t, h*V + v] = W[h(N+V) + N + v] .
+def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, w16, sc, out):
+  """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized in ``pk``/``sc``, or bf16
+  bits in ``w16`` when ``bits`` is ``BF16``) applied per head without dequantizing it whole:
+  ``part`` KEYS: ``out[t, h*C + c] = sum_n x[t, h*N + n] W[h(N+V) + n, c]`` (the query
+  absorbed into latent space); VALUES: ``out[t, h*V + v] = W[h(N+V) + N + v] .
   x[t, h*C : (h+1)*C]`` (the latent context out to values). Parallel over heads."""
-  kp = (c_dim + g - 1) // g * g
+  if bits == BF16:  # no groups: rows of C, read as they are
+    kp, ng, kb, vec_ok = c_dim, 0, 0, False
+  else:
+    kp = (c_dim + g - 1) // g * g
+    ng = kp // g
+    kb = kp // 2 if bits == 4 else kp
+    vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
   kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
-  ng = kp // g
-  kb = kp // 2 if bits == 4 else kp
-  vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
   if nthreads <= 1:
     for hh in range(heads):
-      _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out)
+      _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out)
   else:
     for hh in prange(heads):
-      _head(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc,
-            out)
+      _head(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16,
+            sc, out)
 
 
 _NO_U8 = cpu._readonly(np.zeros(1, np.uint8))
@@ -330,15 +351,24 @@ def _check_quantized(packed, scales, bits, group_size, in_features):
 
 
 def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim, part):
-  """``heads_core`` (per-head use of a quantized MLA kv_b ``[heads * (N + V), C]``, C =
-  in_features).
+  """``heads_core`` (per-head use of an MLA kv_b ``[heads * (N + V), C]``, C = in_features):
+  quantized (``packed``, ``scales``, ``bits`` 4 or 8), or bfloat16 (``bits`` ``BF16``:
+  ``packed`` is the bf16 matrix or its uint16 bits, ``scales`` and ``group_size`` unused).
 
   x: float [T, heads * N] (KEYS) or [T, heads * C] (VALUES). Returns float32 [T, heads * C]
   (KEYS) or [T, heads * V] (VALUES); each row bitwise independent of T.
   """
   o = np.shape(packed)[0]
   c_dim = in_features
-  _check_quantized(packed, scales, bits, group_size, c_dim)
+  if bits == BF16:
+    w = np.asarray(packed)
+    if w.ndim != 2 or w.shape[1] != c_dim or w.dtype.name not in ("bfloat16", "uint16"):
+      raise ValueError(f"w: expected bfloat16 [O, {c_dim}], got {w.dtype} {w.shape}")
+    pk, w16, sc, group_size = _NO_U8, cpu._flat_scales(w, "w"), _NO_U16, 0
+  else:
+    _check_quantized(packed, scales, bits, group_size, c_dim)
+    pk, w16, sc = (cpu._flat_packed(packed, "packed"), _NO_U16,
+                   cpu._flat_scales(scales, "scales"))
   if o % heads or o // heads <= n_dim:
     raise ValueError(f"kv_b rows {o} are not heads ({heads}) x (N={n_dim} + V)")
   v_dim = o // heads - n_dim
@@ -346,8 +376,7 @@ def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim,
   out = np.empty((x.shape[0], heads * (c_dim if part == KEYS else v_dim)), np.float32)
   nthreads = numba.get_num_threads() if o * c_dim >= cpu.PARALLEL_MIN_WEIGHTS else 1
   heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
-             cpu._readonly(x), cpu._flat_packed(packed, "packed"),
-             cpu._flat_scales(scales, "scales"), out)
+             cpu._readonly(x), pk, w16, sc, out)
   return out
 
 

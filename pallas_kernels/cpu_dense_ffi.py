@@ -15,8 +15,8 @@ numba ``cfunc`` handler reads XLA's typed-FFI call frame (``cpu_ffi.FrameLayout`
 Operands: meta int32 [9] = (T, O, I, bits (4, 8 or ``cpu_dense.BF16``), G, numba threads,
 mode, heads, N), x f32, the weight (packed codes [O, Kb], or the bf16 matrix [O, I]) and the
 scales ([O, Kp/G]; a [1, 1] placeholder for bf16). Mode ``MATMUL``: x [T, I], result f32
-[T, O]. Modes ``HEAD_KEYS`` / ``HEAD_VALUES`` (int4/int8, an MLA kv_b of ``heads`` × (N + V)
-rows, ``cpu_dense.heads_core``): x [T, heads·N] → [T, heads·I], or x [T, heads·I] →
+[T, O]. Modes ``HEAD_KEYS`` / ``HEAD_VALUES`` (int4, int8 or bf16, an MLA kv_b of ``heads`` ×
+(N + V) rows, ``cpu_dense.heads_core``): x [T, heads·N] → [T, heads·I], or x [T, heads·I] →
 [T, heads·V]. The thread count is read when
 the call is traced (as in ``cpu_ffi``: a read inside the handler would keep numba from caching
 it).
@@ -77,7 +77,7 @@ def _handler_for(args_at, rets_at, data_at, rank_at, dims_at):
     mode, heads, n_dim = np.int64(meta[6]), np.int64(meta[7]), np.int64(meta[8])
     if mode == MATMUL:
       x_cols, out_cols = i_dim, o
-    elif heads <= 0 or o % heads or o // heads <= n_dim or bits == cpu_dense.BF16:
+    elif heads <= 0 or o % heads or o // heads <= n_dim:
       out[:] = np.nan
       return 0
     elif mode == HEAD_KEYS:
@@ -101,7 +101,7 @@ def _handler_for(args_at, rets_at, data_at, rank_at, dims_at):
       part = cpu_dense.KEYS if mode == HEAD_KEYS else cpu_dense.VALUES
       th = np.int64(meta[5]) if o * i_dim >= cpu.PARALLEL_MIN_WEIGHTS else np.int64(1)
       cpu_dense.heads_core(t, heads, n_dim, o // heads - n_dim, i_dim, bits, g, part, th, ro(x),
-                           ro(pk), ro(sc), out)
+                           ro(pk), ro(w16), ro(sc), out)
       return 0
     cpu_dense.dense_core(t, o, i_dim, bits, g, np.int64(meta[5]), cpu.PARALLEL_MIN_WEIGHTS,
                          ro(x), ro(pk), ro(w16), ro(sc), out)
@@ -134,7 +134,8 @@ def _register(layout: cpu_ffi.FrameLayout) -> str:
 
 def _self_test_problems():
   """(x, weight, scales, statics, direct result) with fresh random contents: int4 and int8
-  with I not a multiple of G, and bf16 with I not a multiple of 32, at T = 1 and T = 6."""
+  with I not a multiple of G, and bf16 with I not a multiple of 32, at T = 1 and T = 6; each
+  as a matmul and as a kv_b per head (keys and values)."""
   rng = np.random.default_rng()
   o, i_dim = 37, 90
   for t in (1, 6):
@@ -156,6 +157,12 @@ def _self_test_problems():
     w = rng.standard_normal((o, i_dim)).astype(jnp.bfloat16)
     statics = dict(bits=cpu_dense.BF16, group_size=0, in_features=i_dim)
     yield x, w, None, statics, cpu_dense.bf16_matmul(x, w)
+    hs = dict(statics, heads=3, n_dim=5)
+    for part in (cpu_dense.KEYS, cpu_dense.VALUES):
+      xh = rng.standard_normal((t, 3 * (5 if part == cpu_dense.KEYS else i_dim)))
+      xh = xh.astype(np.float32)
+      yield xh, w[:36], None, dict(hs, part=part), cpu_dense.heads_matmul(xh, w[:36], None, **hs,
+                                                                          part=part)
 
 
 def self_test(layout: cpu_ffi.FrameLayout | None = None) -> str | None:
@@ -204,9 +211,14 @@ def _meta(t, o, in_features, bits, group_size, mode=MATMUL, heads=0, n_dim=0):
                       n_dim], jnp.int32)
 
 
+def _scales(scales):
+  """The scales operand: a bf16 weight has none, so a [1, 1] placeholder goes in."""
+  return jnp.zeros((1, 1), jnp.uint16) if scales is None else scales
+
+
 def _ffi_matmul(target, x, w, scales, *, bits, group_size, in_features):
   t, o = x.shape[0], w.shape[0]
-  scales = jnp.zeros((1, 1), jnp.uint16) if scales is None else scales  # bf16: a placeholder
+  scales = _scales(scales)
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, o), jnp.float32),
                           vmap_method="sequential")
   # The weight goes in as stored (bf16, int8 or uint8): the handler reads raw bytes.
@@ -219,6 +231,7 @@ def _heads_cols(o, in_features, heads, n_dim, part):
 
 def _ffi_heads(target, x, packed, scales, *, bits, group_size, in_features, heads, n_dim, part):
   t, o = x.shape[0], packed.shape[0]
+  scales = _scales(scales)
   mode = HEAD_KEYS if part == cpu_dense.KEYS else HEAD_VALUES
   call = jax.ffi.ffi_call(
       target, jax.ShapeDtypeStruct((t, _heads_cols(o, in_features, heads, n_dim, part)),
@@ -231,7 +244,9 @@ def heads_xla(x, packed, scales, *, bits, group_size, in_features, heads, n_dim,
   """``cpu_dense.heads_matmul`` inside ``jax.jit`` (the custom call, or ``jax.pure_callback``
   after a failed self-test): an MLA kv_b ``[heads (N + V), in_features]`` applied per head.
   x ``[..., heads·N]`` (part KEYS) or ``[..., heads·C]`` (VALUES); returns float32
-  ``[..., heads·C]`` or ``[..., heads·V]``."""
+  ``[..., heads·C]`` or ``[..., heads·V]``. A bfloat16 kv_b: `packed` is the matrix, `bits`
+  ``cpu_dense.BF16``, `scales` None."""
+  scales = _scales(scales)
   lead = x.shape[:-1]
   x2 = jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.float32)
   st = dict(bits=bits, group_size=group_size, in_features=in_features, heads=heads,

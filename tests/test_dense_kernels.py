@@ -175,34 +175,52 @@ def test_bf16_prefill_rows_go_to_xlas_dot(weights):
   assert "custom_call" in jax.jit(linear).lower(x, jax.tree.map(jnp.asarray, weights["int8"])).as_text()
 
 
-# An MLA kv_b [H·(N+V), C] with C = 200 (not a multiple of the group): H = 3, N = 7, V = 8.
+# An MLA kv_b [H·(N+V), C]: H = 3, N = 7, V = 8; C = 200 (not a multiple of the group or of
+# 32: padded rows) and 512 (GLM-5's kv_lora_rank: bf16 values take the decode loop at T = 1).
 HEADS, N_NOPE, V_DIM = 3, 7, 8
+KV_WIDTHS = (200, 512)
 
 
 @pytest.fixture(scope="module")
 def kv_b():
-  rng = np.random.default_rng(11)
-  w = rng.standard_normal((HEADS * (N_NOPE + V_DIM), I_FEATURES)).astype(np.float32) / 14
-  return {8: quantize(w, 8, 64), 4: quantize(w, 4, 64)}
+  """{(format, C): (the kv_b as stored, its values in float64)}; formats 8, 4 and "bf16"."""
+  out = {}
+  for c in KV_WIDTHS:
+    rng = np.random.default_rng(11 + c)
+    w = rng.standard_normal((HEADS * (N_NOPE + V_DIM), c)).astype(np.float32) / 14
+    for bits in (8, 4):
+      q = quantize(w, bits, 64)
+      out[bits, c] = (q, dequantized(q))
+    wb = w.astype(ml_dtypes.bfloat16)
+    out["bf16", c] = (wb, wb.astype(np.float64))
+  return out
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+def heads_args(fmt, w, c):
+  """heads_matmul's weight arguments for kv_b `w` of width `c`."""
+  if fmt == "bf16":
+    return (w, None, cpu_dense.BF16, 0, c, HEADS, N_NOPE)
+  return (w.packed, w.scales, fmt, 64, c, HEADS, N_NOPE)
+
+
+@pytest.mark.parametrize("c", KV_WIDTHS)
+@pytest.mark.parametrize("fmt", [8, 4, "bf16"])
 @pytest.mark.parametrize("t_count", [1, 3, 17])
-def test_per_head_kv_b_matches_float64_reference(kv_b, bits, t_count, parallel):
-  """The absorbed form's two per-head products of a quantized kv_b (never dequantized whole):
-  keys (query into latent space) and values (latent context out), against float64, and each
-  row independent of T."""
-  q = kv_b[bits]
-  w = dequantized(q).reshape(HEADS, N_NOPE + V_DIM, I_FEATURES)
+def test_per_head_kv_b_matches_float64_reference(kv_b, fmt, c, t_count, parallel):
+  """The absorbed form's two per-head products of a quantized or bfloat16 kv_b (never
+  dequantized or upcast whole): keys (query into latent space) and values (latent context
+  out), against float64, and each row independent of T."""
+  stored, w64 = kv_b[fmt, c]
+  w = w64.reshape(HEADS, N_NOPE + V_DIM, c)
   rng = np.random.default_rng(t_count)
   xk = rng.standard_normal((t_count, HEADS * N_NOPE)).astype(np.float32)
-  xv = rng.standard_normal((t_count, HEADS * I_FEATURES)).astype(np.float32)
-  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  xv = rng.standard_normal((t_count, HEADS * c)).astype(np.float32)
+  args = heads_args(fmt, stored, c)
   keys = cpu_dense.heads_matmul(xk, *args, cpu_dense.KEYS)
   values = cpu_dense.heads_matmul(xv, *args, cpu_dense.VALUES)
   want_k = np.einsum("thn,hnc->thc", xk.reshape(t_count, HEADS, N_NOPE).astype(np.float64),
                      w[:, :N_NOPE])
-  want_v = np.einsum("thc,hvc->thv", xv.reshape(t_count, HEADS, I_FEATURES).astype(np.float64),
+  want_v = np.einsum("thc,hvc->thv", xv.reshape(t_count, HEADS, c).astype(np.float64),
                      w[:, N_NOPE:])
   np.testing.assert_allclose(keys.reshape(want_k.shape), want_k, rtol=0,
                              atol=2e-5 * np.abs(want_k).max())
@@ -215,19 +233,21 @@ def test_per_head_kv_b_matches_float64_reference(kv_b, bits, t_count, parallel):
       cpu_dense.heads_matmul(xv[last:], *args, cpu_dense.VALUES)[0], values[last])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, bits):
-  """`attention.KvB` with a QArray on the CPU platform: the jitted absorbed products are the
-  custom call's, bit for bit the direct kernel's, and agree with the float32 split kv_b."""
-  q = kv_b[bits]
-  qj = jax.tree.map(jnp.asarray, q)
-  kvb = KvB(qj, HEADS, N_NOPE)
+@pytest.mark.parametrize("fmt", [8, 4, "bf16"])
+def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, fmt):
+  """`attention.KvB` with a QArray or a bfloat16 kv_b on the CPU platform: the jitted absorbed
+  products are the custom call's, bit for bit the direct kernel's, and agree with the float32
+  split kv_b."""
+  c = KV_WIDTHS[0]
+  stored = kv_b[fmt, c][0]
+  wj = jnp.asarray(stored) if fmt == "bf16" else jax.tree.map(jnp.asarray, stored)
+  kvb = KvB(wj, HEADS, N_NOPE)
   rng = np.random.default_rng(2)
   q_nope = rng.standard_normal((2, 3, HEADS, N_NOPE)).astype(np.float32)
-  ctx = rng.standard_normal((2, 3, HEADS, I_FEATURES)).astype(np.float32)
-  got_k = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_query(x))(qj, q_nope))
-  got_v = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_output(x))(qj, ctx))
-  args = (q.packed, q.scales, bits, 64, I_FEATURES, HEADS, N_NOPE)
+  ctx = rng.standard_normal((2, 3, HEADS, c)).astype(np.float32)
+  got_k = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_query(x))(wj, q_nope))
+  got_v = np.asarray(jax.jit(lambda w, x: KvB(w, HEADS, N_NOPE).absorb_output(x))(wj, ctx))
+  args = heads_args(fmt, stored, c)
   np.testing.assert_array_equal(
       got_k.reshape(6, -1), cpu_dense.heads_matmul(q_nope.reshape(6, -1), *args, cpu_dense.KEYS))
   np.testing.assert_array_equal(
@@ -237,6 +257,13 @@ def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, bits):
                              atol=1e-5)
   np.testing.assert_allclose(got_v, np.einsum("bshc,hvc->bshv", ctx, w_uv), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_a_float32_kv_b_keeps_xlas_einsums():
+  """A float32 kv_b is not sent to the per-head kernel (float models keep their bits)."""
+  from glmjax.model.layers import per_head_kernel
+  w = jnp.zeros((HEADS * (N_NOPE + V_DIM), 200), jnp.float32)
+  assert not per_head_kernel(w) and per_head_kernel(w.astype(jnp.bfloat16))
 
 
 def test_bad_operands_are_refused(weights):

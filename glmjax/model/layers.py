@@ -80,23 +80,32 @@ def linear(x, w):
 
 
 def per_head_kernel(w) -> bool:
-  """Whether an MLA kv_b `w` is applied per head by the numba kernel (`per_head`): a QArray on
-  the CPU platform."""
-  return host_kernels() and isinstance(w, QArray) and w.packed.ndim == 2
+  """Whether an MLA kv_b `w` is applied per head by the numba kernel (`per_head`): a QArray or
+  a bfloat16 matrix on the CPU platform (float32 keeps XLA's einsums, bit for bit)."""
+  if not host_kernels():
+    return False
+  if isinstance(w, QArray):
+    return w.packed.ndim == 2
+  return w.ndim == 2 and w.dtype == jnp.bfloat16
 
 
 def per_head(x, w, heads: int, n_dim: int, keys: bool):
-  """A quantized MLA kv_b `w` `[heads·(N+V), C]` applied per head without dequantizing it whole
-  (`pallas_kernels.cpu_dense.heads_core`; CPU platform only, see `per_head_kernel`).
+  """An MLA kv_b `w` `[heads·(N+V), C]` (a QArray, or bfloat16) applied per head without
+  dequantizing or upcasting it whole (`pallas_kernels.cpu_dense.heads_core`; CPU platform only,
+  see `per_head_kernel`).
 
   keys: `x [..., heads, N]` -> `[..., heads, C]`, x times each head's N key rows (the query
   absorbed into latent space). Else: `x [..., heads, C]` -> `[..., heads, V]`, each head's V
   value rows times x (the latent context out to values).
   """
   from pallas_kernels import cpu_dense, cpu_dense_ffi
+  if isinstance(w, QArray):
+    mat, scales, fmt = w.packed, w.scales, dict(bits=w.bits, group_size=w.group_size,
+                                                in_features=w.in_features)
+  else:
+    mat, scales, fmt = w, None, dict(bits=cpu_dense.BF16, group_size=0, in_features=w.shape[1])
   y = cpu_dense_ffi.heads_xla(
-      x.reshape(*x.shape[:-2], -1), w.packed, w.scales, bits=w.bits, group_size=w.group_size,
-      in_features=w.in_features, heads=heads, n_dim=n_dim,
+      x.reshape(*x.shape[:-2], -1), mat, scales, **fmt, heads=heads, n_dim=n_dim,
       part=cpu_dense.KEYS if keys else cpu_dense.VALUES)
   return y.reshape(*x.shape[:-1], -1)
 
