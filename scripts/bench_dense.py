@@ -4,16 +4,18 @@
 
 1. Matvec (T = 1, `layers.linear` under jit, as the model calls it) at GLM-5's dims: q_b, kv_b,
    o, the shared expert's gate_up and down, and a `--head_rows` slice of lm_head, for float32
-   (XLA's dot), bfloat16, int8 and int4 (G = 64; the numba dense kernel on the CPU platform,
+   (XLA's dot), bfloat16, int8 and int4 (the recipes' groups, 128 and 64; the numba dense
+   kernel on the CPU platform,
    the Pallas dense kernel on an accelerator, where "int8 xla" and "int4 xla" add XLA's
    dequantize-then-dot beside it). Median ms over `--reps` calls and the weight bytes read per
    second.
 2. Decode on synthetic GLM-5-geometry stores (one dense and one MoE layer, `--experts` routed
    experts, `--vocab_size`, no MTP; `make_synthetic_store`), written under `--work` and deleted
    afterwards: bf16 stored (loaded as float32 and as bfloat16 dense weights), `dense_bits=8`
-   and `4`, `4` with its first decoder layer int8 (`--dense_first_layer_bits=8`), and `8` at
-   group 128 with its first layer bf16 (the int8 store that meets issue 28's KL target within
-   its bytes bound; loaded with `dtype="auto"`, so the first layer stays bf16).
+   and `4` (the recipes: int8 at group 128 with its first layer bf16), `4` with its first
+   decoder layer int8 (`--dense_first_layer_bits=8`), and `8` at group 64 with its first layer
+   int8 (the int8 recipe before). Quantized stores load with `dtype="auto"`, the default, so
+   their float leaves (the int8 recipe's first layer) stay bf16.
    Every store holds all its experts in memory (no I/O), KV in float32 for all, so only the
    dense format differs. Median `decode_tok_s` over `--runs` greedy generations.
 
@@ -65,9 +67,11 @@ def _as_format(w, fmt):
   import jax
   import jax.numpy as jnp
   from glmjax.formats.quantize import quantize
+  from glmjax.model.weights import dense_group
   if fmt in ("float32", "bfloat16"):
     return jnp.asarray(w, fmt)
-  return jax.tree.map(jnp.asarray, quantize(w, {"int8": 8, "int4": 4}[fmt], 64))
+  bits = {"int8": 8, "int4": 4}[fmt]
+  return jax.tree.map(jnp.asarray, quantize(w, bits, dense_group(bits)))
 
 
 def _median_ms(f, *args, reps):
@@ -116,12 +120,12 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
   from glmjax.formats.synthetic import make_synthetic_store
   from glmjax.model import weights
   # (row, dense_bits, first layer's bits (None: the recipe's), group size, load dtype). The
-  # last two rows widen the first layer: what that costs on a store whose first (dense) layer
+  # last two rows set the first layer apart from the recipe: on a store whose first (dense) layer
   # holds over half its dense bytes (GLM-5: 2.1%).
-  plans = (("float32", 0, None, 64, "float32"), ("bfloat16", 0, None, 64, "bfloat16"),
-           ("int8", 8, None, 64, "float32"), ("int4", 4, None, 64, "float32"),
-           ("int4, first layer int8", 4, 8, 64, "float32"),
-           ("int8 G128, first layer bf16", 8, 0, 128, "auto"))
+  plans = (("float32", 0, None, None, "float32"), ("bfloat16", 0, None, None, "bfloat16"),
+           ("int8", 8, None, None, "auto"), ("int4", 4, None, None, "auto"),
+           ("int4, first layer int8", 4, 8, None, "auto"),
+           ("int8 G64, first layer int8", 8, 8, 64, "auto"))
   out = {}
   for store_key in dict.fromkeys((b, f, g) for _, b, f, g, _ in plans):
     bits, first, group = store_key
@@ -130,7 +134,7 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
     make_synthetic_store(path, geometry="glm5", moe_layers=1, experts=experts,
                          vocab_size=vocab_size, mtp=False, progress=False, dense_bits=bits,
                          dense_first_layer_bits=first, dense_group_size=group)
-    print(f"  store dense_bits={bits} G{group} first layer "
+    print(f"  store dense_bits={bits} G{group or 'recipe'} first layer "
           f"{'recipe' if first is None else first}: {time.perf_counter() - t0:.0f} s",
           flush=True)
     for fmt, b, f, g, dtype in plans:

@@ -38,10 +38,10 @@ flags.DEFINE_enum("dense_bits", "0", ["0", "4", "8"],
                   "--dense_bits` writes.")
 flags.DEFINE_enum("dense_first_layer_bits", "auto", ["auto", "0", "4", "8"],
                   "With --dense_bits: the first decoder layer's width (auto: the --dense_bits "
-                  "width; 0: bf16), as `convert.py --dense_first_layer_bits`.")
-flags.DEFINE_integer("dense_group_size", 64, "With --dense_bits: input features per scale of "
-                     "the quantized dense weights, as `convert.py --dense_group_size` (the "
-                     "experts stay at 64).")
+                  "recipe's; 0: bf16), as `convert.py --dense_first_layer_bits`.")
+flags.DEFINE_integer("dense_group_size", None, "With --dense_bits: input features per scale "
+                     "of the quantized dense weights (default: the recipe's), as `convert.py "
+                     "--dense_group_size` (the experts stay at 64).")
 
 
 def main(argv):
@@ -65,7 +65,7 @@ def main(argv):
   dt = time.perf_counter() - t0
   q = m["quant"]
   dense, experts, _ = store_bytes(m["source_config"], q.get("dense_bits", 0),
-                                  q.get("dense_first_layer_bits"), q.get("dense_group_size", 64))
+                                  q.get("dense_first_layer_bits"), q.get("dense_group_size"))
   gb = (dense + experts) / 1e9
   what = (f"{len(m['moe_layers'])} MoE layers × {m['source_config']['n_routed_experts']} "
           f"experts, {gb:.2f} GB")

@@ -217,21 +217,22 @@ def test_interrupted_store_is_started_over(tmp_path, stores, monkeypatch):
   assert store.read_manifest(str(dst))["dense"] == store.read_manifest(stores["a"])["dense"]
 
 
-@pytest.mark.parametrize("bits,first,group", [(8, None, 64), (8, 0, 128), (4, None, 64),
-                                               (4, 8, 64)])
+@pytest.mark.parametrize("bits,first,group", [(8, None, None), (8, 8, 64), (4, None, None),
+                                               (4, 8, None)])
 def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path, bits, first,
                                                        group):
   """`dense_bits` 8 / 4: the manifest and the declaration say so, the store loads its
   quantizable leaves as QArrays at `DENSE_RECIPES`' widths (the first layer's as given; 0: the
-  plain store's bf16) and `group`, and each is the converter's quantizer applied to the bf16
-  leaf the plain store (same seed) holds; the rest is unchanged."""
+  plain store's bf16) and `group` (None: the recipe's), and each is the converter's quantizer
+  applied to the bf16 leaf the plain store (same seed) holds; the rest is unchanged."""
   from glmjax.formats.quantize import quantize
   from glmjax.model.quant import QArray
   from glmjax.model.weights import DENSE_RECIPES
+  want_group = {8: 128, 4: 64}[bits] if group is None else group  # the recipes' groups
   dst = str(tmp_path / f"d{bits}")
   m = make(dst, seed=0, dense_bits=bits, dense_first_layer_bits=first, dense_group_size=group)
   widths = dict(DENSE_RECIPES[bits], **({} if first is None else {"first_layer": first}))
-  assert m["quant"]["dense_bits"] == bits and m["quant"]["dense_group_size"] == group
+  assert m["quant"]["dense_bits"] == bits and m["quant"]["dense_group_size"] == want_group
   assert m["synthetic"]["dense_bits"] == bits
   assert m["quant"]["dense_first_layer_bits"] == widths["first_layer"]
   dense, _, _ = synthetic.store_bytes(m["source_config"], bits, first, group)
@@ -247,8 +248,8 @@ def test_dense_bits_writes_the_converters_dense_format(stores, model_a, tmp_path
         assert not isinstance(q, QArray)
         np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(plain, np.float32))
         continue
-      assert isinstance(q, QArray) and (q.bits, q.group_size) == (widths[kind], group)
-      want = quantize(np.asarray(plain), q.bits, group)
+      assert isinstance(q, QArray) and (q.bits, q.group_size) == (widths[kind], want_group)
+      want = quantize(np.asarray(plain), q.bits, want_group)
       np.testing.assert_array_equal(np.asarray(q.packed), want.packed)
       np.testing.assert_array_equal(np.asarray(q.scales), want.scales)
     assert not isinstance(wq.layers[1].mlp.router, QArray)

@@ -121,12 +121,13 @@ def _writable(dst: str) -> None:
 
 def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_bits: int = 8,
             dense_dtype: str = "bfloat16", workers: int = 4, progress: bool = True,
-            dense_bits: int = 0, dense_group_size: int = 64, quant: str = "rtn",
+            dense_bits: int = 0, dense_group_size: int | None = None, quant: str = "rtn",
             calibration: str | None = None, dense_first_layer_bits: int | None = None) -> dict:
   """Converts the HF checkpoint at `src` into a store at `dst`; returns the manifest.
 
   `dense_bits` 8 or 4 stores the quantizable dense leaves (`ArrayInfo.quantizable`) as
-  group-wise QArrays of `dense_group_size` at the widths of `weights.DENSE_RECIPES`, the first
+  group-wise QArrays of `dense_group_size` (None: the recipe's, `weights.DENSE_GROUP_SIZES`)
+  at the widths of `weights.DENSE_RECIPES`, the first
   decoder layer's at `dense_first_layer_bits` (None: the recipe's; 0: kept in `dense_dtype`);
   the other dense leaves stay in `dense_dtype`.
   `quant` "imatrix" or "gptq" quantizes the main model's routed experts with the calibration

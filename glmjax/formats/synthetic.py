@@ -55,7 +55,7 @@ from glmjax.errors import CheckpointError, InputError
 from glmjax.formats import embedded, store
 from glmjax.model.config import Config
 from glmjax.formats.quantize import quantize
-from glmjax.model.weights import DENSE_BITS, MoE, abstract, dense_settings
+from glmjax.model.weights import DENSE_BITS, DENSE_GROUP_SIZES, MoE, abstract, dense_settings
 
 GROUP_SIZE = 64
 EXPERT_BITS, MTP_BITS = 4, 8
@@ -362,7 +362,7 @@ def _free_bytes(path: str) -> int:
 
 
 def _dense_tree(cfg: Config, mtp: bool, dense_bits: int, first_layer_bits: int | None = None,
-                group_size: int = GROUP_SIZE):
+                group_size: int | None = None):
   """The declared dense tree a synthetic store writes: bf16 (float32 where declared so), the
   quantizable leaves as QArrays under `dense_bits` (the converter's rule, `dense_format`)."""
   return abstract(cfg, jnp.bfloat16, with_mtp=mtp, dense_bits=dense_bits,
@@ -370,7 +370,7 @@ def _dense_tree(cfg: Config, mtp: bool, dense_bits: int, first_layer_bits: int |
 
 
 def store_bytes(raw_config: dict, dense_bits: int = 0, first_layer_bits: int | None = None,
-                dense_group_size: int = GROUP_SIZE) -> tuple[int, int, dict]:
+                dense_group_size: int | None = None) -> tuple[int, int, dict]:
   """(dense bytes, expert bytes, {group: (layers, layout)}) of a synthetic store's config."""
   cfg = Config.from_dict(raw_config)
   tree = _dense_tree(cfg, True, dense_bits, first_layer_bits, dense_group_size)
@@ -395,7 +395,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
                          seed: int = 0, zipf: float = 0.0, mtp: bool = True, workers: int = 2,
                          progress: bool = True, dense_bits: int = 0,
                          dense_first_layer_bits: int | None = None,
-                         dense_group_size: int = GROUP_SIZE) -> dict:
+                         dense_group_size: int | None = None) -> dict:
   """Writes a store of random weights at `dst`; returns its manifest.
 
   Args:
@@ -411,12 +411,12 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
     mtp: include GLM-5's MTP layer (its experts in int8, group "mtp").
     workers: threads generating and writing expert chunks.
     dense_bits: 0 (bf16 dense weights), 8 or 4: the quantized dense format of
-      `convert --dense_bits` (group 64), each quantizable leaf drawn in bf16 as for 0 and then
+      `convert --dense_bits`, each quantizable leaf drawn in bf16 as for 0 and then
       quantized by the converter's quantizer.
     dense_first_layer_bits: the first decoder layer's width under `dense_bits` (None: the
       recipe's, `weights.DENSE_RECIPES`; 0: bf16), as `convert --dense_first_layer_bits`.
-    dense_group_size: input features per scale of the quantized dense leaves, as
-      `convert --dense_group_size` (the experts stay at group 64).
+    dense_group_size: input features per scale of the quantized dense leaves (None: the
+      recipe's), as `convert --dense_group_size` (the experts stay at group 64).
   """
   import orbax.checkpoint as ocp
   import tensorstore as ts
@@ -440,8 +440,8 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
   if dense_bits:
     settings["dense_bits"] = dense_bits
     settings["dense_first_layer_bits"] = dense_quant["dense_first_layer_bits"]
-    if dense_group_size != GROUP_SIZE:  # absent at 64, so stores written before still match
-      settings["dense_group_size"] = dense_group_size
+    if dense_quant["dense_group_size"] != DENSE_GROUP_SIZES[dense_bits]:
+      settings["dense_group_size"] = dense_group_size  # absent at the recipe's
   dense_bytes, expert_bytes, groups = store_bytes(raw, dense_bits, dense_first_layer_bits,
                                                   dense_group_size)
   need = dense_bytes + expert_bytes

@@ -156,12 +156,14 @@ DENSE_BITS = (0, 4, 8)  # 0: float dense weights (the default)
 
 
 def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: int = 0,
-             dense_group_size: int = 64, dense_first_layer_bits: int | None = None) -> Weights:
+             dense_group_size: int | None = None, dense_first_layer_bits: int | None = None
+             ) -> Weights:
   """The abstract weight tree of `cfg`; `dtype` is the storage dtype of non-router weights.
 
   `dense_bits` 8 or 4 declares the quantizable leaves (`ArrayInfo.quantizable`: attention and
   indexer projections, shared experts, dense MLPs, the MTP's `eh_proj`, the lm head and the
-  embedding) as group-wise QArrays with `dense_group_size`, at `DENSE_RECIPES[dense_bits]`'s
+  embedding) as group-wise QArrays with `dense_group_size` (None: the recipe's,
+  `DENSE_GROUP_SIZES`), at `DENSE_RECIPES[dense_bits]`'s
   widths (`dense_format`; `dense_first_layer_bits` overrides the first decoder layer's); routed
   experts are never part of the dense format (the expert store holds them).
   """
@@ -253,22 +255,29 @@ def abstract(cfg: Config, dtype=jnp.float32, with_mtp: bool = True, dense_bits: 
 # - int4: the head int8 and the embedding int4 (1.37e-2 against 2.09e-2 all int4, and 1.82e-2
 #   the other way round, at the same bytes): the head is the most sensitive matrix (int4 head
 #   alone 7.1e-3), and GLM-5's int4 dense part has no room for both.
-# - The first decoder layer is its own kind, at the matmul width in both recipes: wider is an
-#   option (`first_layer_bits`). Kept float under int8 it adds under 1e-4 (-6.9e-5 against
-#   +2.45e-4), but GLM-5's plan grows to 19.70 GB (over 19.5); int8 under int4 cuts the added KL
-#   by 37% (1.27e-2 to 8.1e-3) for 0.20e9 bytes (10.38 GB), and costs the synthetic
-#   two-layer benchmark store, whose first layer holds over half its dense bytes, a tenth of
-#   its int4 decode speed (GLM-5's first layer is 2.1% of its dense part).
-DENSE_RECIPES = {8: {"first_layer": 8, "matmul": 8, "head": 8, "embedding": 0},
+# - The first decoder layer is its own kind. Under int8 it stays float: int8 there is what
+#   makes int8 add 2.45e-4 (kept float: -1.59e-4 at group 128, -6.9e-5 at 64), and GLM-5's
+#   plan fits 19.5 GiB with it only at group 128 (19.45 GiB; 19.70 at 64), where group size
+#   measured no difference to the added KL (64, 128, 256, one scale per row: all within the
+#   metric's noise). Under int4 it stays int4: int8 there cuts the added KL by 37% (1.27e-2 to
+#   8.1e-3) for 0.20e9 bytes (10.38 GiB), an option (`first_layer_bits`), not "most" of it.
+DENSE_RECIPES = {8: {"first_layer": 0, "matmul": 8, "head": 8, "embedding": 0},
                  4: {"first_layer": 4, "matmul": 4, "head": 8, "embedding": 4}}
+DENSE_GROUP_SIZES = {8: 128, 4: 64}  # each recipe's input features per scale (above)
 FIRST_LAYER_BITS = (0, 4, 8)  # 0: the first decoder layer's matrices stay float
 
 
-def dense_format(tree: Weights, bits: int, group_size: int = 64,
+def dense_group(bits: int, group_size: int | None = None) -> int:
+  """The group size of a quantized dense format: `group_size`, or None for the recipe's
+  (`DENSE_GROUP_SIZES`)."""
+  return DENSE_GROUP_SIZES[bits] if group_size is None else group_size
+
+
+def dense_format(tree: Weights, bits: int, group_size: int | None = None,
                  first_layer_bits: int | None = None) -> Weights:
   """`tree` with its quantizable leaves declared as QArrays at the widths `DENSE_RECIPES[bits]`
-  gives their kind; `first_layer_bits` (None: the recipe's) overrides the first decoder
-  layer's. `bits` 0 leaves the tree unchanged."""
+  gives their kind, in groups of `group_size` (None: the recipe's); `first_layer_bits` (None:
+  the recipe's) overrides the first decoder layer's. `bits` 0 leaves the tree unchanged."""
   if bits not in DENSE_BITS:
     raise ValueError(f"dense_bits must be one of {DENSE_BITS}, got {bits}")
   if first_layer_bits is not None and first_layer_bits not in FIRST_LAYER_BITS:
@@ -276,6 +285,7 @@ def dense_format(tree: Weights, bits: int, group_size: int = 64,
                      f"got {first_layer_bits}")
   if not bits:
     return tree
+  group_size = dense_group(bits, group_size)
   check_bits_group(bits, group_size)
   width = dict(DENSE_RECIPES[bits])
   if first_layer_bits is not None:
@@ -285,13 +295,16 @@ def dense_format(tree: Weights, bits: int, group_size: int = 64,
                    if i.quantizable else i, tree)
 
 
-def dense_settings(bits: int, group_size: int = 64, first_layer_bits: int | None = None
-                   ) -> dict[str, int]:
+def dense_settings(bits: int, group_size: int | None = None,
+                   first_layer_bits: int | None = None) -> dict[str, int]:
   """A quantized dense format as a store's manifest records it (under "quant"); {} for float
-  dense weights. The first layer's width is always written, so a store converted before that
+  dense weights. `group_size` and `first_layer_bits` None are the recipe's, written as
+  resolved. The first layer's width is always written, so a store converted before that
   kind existed (no key: its first layer at `bits`) still reads as written
   (`store.dense_abstract`). Raises ValueError for a first-layer width out of range or without
   `bits`, or a group size that is not an even number ≥ 2 (the writers' one check)."""
+  if bits in DENSE_GROUP_SIZES:
+    group_size = dense_group(bits, group_size)
   if bits and (isinstance(group_size, bool) or not isinstance(group_size, int)
                or group_size < 2 or group_size % 2):
     raise ValueError(f"dense_group_size must be an even number ≥ 2, got {group_size!r}")
@@ -369,15 +382,16 @@ DENSE_FORMATS = {"float32": (jnp.float32, 0), "bfloat16": (jnp.bfloat16, 0),
                  "int8": (jnp.float32, 8), "int4": (jnp.float32, 4)}
 
 
-def dense_plan(cfg: Config, fmt: str, group_size: int = 64, with_mtp: bool = True,
+def dense_plan(cfg: Config, fmt: str, group_size: int | None = None, with_mtp: bool = True,
                first_layer_bits: int | None = None) -> dict[str, int]:
   """Resident bytes of the dense part (everything but the routed experts) in the dense format
   `fmt` ("float32" | "bfloat16" | "int8" | "int4"), from the declaration alone: nothing is
   allocated.
 
-  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales; the
-  first decoder layer at `first_layer_bits`, None: the recipe's), the quantizable leaves the
-  recipe keeps float (int8: the embedding) bfloat16 (the converter's dense dtype, which
+  Under int8/int4 the quantized leaves are QArrays (packed weights + bf16 group scales, in
+  groups of `group_size`, None: the recipe's; the first decoder layer at `first_layer_bits`,
+  None: the recipe's), the quantizable leaves the recipe keeps float (int8: the embedding and
+  the first decoder layer) bfloat16 (the converter's dense dtype, which
   `dtype="auto"` keeps; `store.dense_abstract` keeps the embedding so under any dtype), and the
   rest (norms, router and its bias, the indexer's head weights) float32. Returns
   {"quantized": ..., "float": ..., "total": ...} in bytes.
