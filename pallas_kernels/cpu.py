@@ -609,18 +609,22 @@ def _fused_rows4(xb, pk, po, kb, sc, so, ng, g, bits):
 
 
 @njit(**_JIT)
+def _put4(yb, r, ys):
+  """yb[r : r + 4] = the four row results `ys` of a four-row decode loop."""
+  yb[r] = ys[0]
+  yb[r + 1] = ys[1]
+  yb[r + 2] = ys[2]
+  yb[r + 3] = ys[3]
+
+
+@njit(**_JIT)
 def _fused_rows(xb, pk, sc, row0, r_lo, r_hi, kb, ng, g, bits, yb):
   """Decode path (one token row xb[:Kq]): yb[r] for output rows [r_lo, r_hi)."""
   r = r_lo
   if (bits == 4 and g == 64) or (bits == 8 and g % (2 * LANES) == 0):
     # four rows at a time (BUILD_NOTES §22: 1.2-1.5x the one-row loop)
     while r + 4 <= r_hi:
-      y0, y1, y2, y3 = _fused_rows4(xb, pk, (row0 + r) * kb, kb, sc, (row0 + r) * ng, ng, g,
-                                    bits)
-      yb[r] = y0
-      yb[r + 1] = y1
-      yb[r + 2] = y2
-      yb[r + 3] = y3
+      _put4(yb, r, _fused_rows4(xb, pk, (row0 + r) * kb, kb, sc, (row0 + r) * ng, ng, g, bits))
       r += 4
   for rr in range(r, r_hi):
     yb[rr] = _fused_row(xb, 0, pk, (row0 + rr) * kb, sc, (row0 + rr) * ng, ng, g, bits)

@@ -118,11 +118,7 @@ def _bf16_decode_span(xb, w, i_dim, kq, r_lo, r_hi, yb):
   x is longer than `_BF16_ROWS4_MIN_K` (bitwise the same either way)."""
   r = r_lo
   while kq >= _BF16_ROWS4_MIN_K and r + 4 <= r_hi:
-    y0, y1, y2, y3 = _bf16_rows4(xb, w, r * i_dim, i_dim, kq)
-    yb[r] = y0
-    yb[r + 1] = y1
-    yb[r + 2] = y2
-    yb[r + 3] = y3
+    cpu._put4(yb, r, _bf16_rows4(xb, w, r * i_dim, i_dim, kq))
     r += 4
   for rr in range(r, r_hi):
     yb[rr] = _bf16_row(xb, w, rr * i_dim, kq)
