@@ -1,9 +1,12 @@
-"""scripts/bench_vs_transformers.py as a user runs it: a subprocess with default flags."""
+"""scripts/bench_vs_transformers.py as a user runs it: a subprocess with default flags; and
+scripts/bench_depth.py on two tiny synthetic depths."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_vs_transformers.py")
@@ -45,3 +48,44 @@ def test_bench_vs_transformers_without_transformers(tmp_path):
   assert r.returncode == 1, (r.stdout, r.stderr)
   assert "needs transformers and torch" in r.stderr and "[test]" in r.stderr
   assert r.stdout == ""
+
+
+def test_bench_depth_tiny(tmp_path):
+  """bench_depth on two tiny depths (stores made on the way): per depth and phase a positive
+  limit (compute or Belady's I/O) and ratio, hit rates in [0, 1], and the engine serving exactly
+  the requests the replays see in each phase (the prefill/decode split agrees)."""
+  out = tmp_path / "depth.json"
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_depth.py"),
+                      "--geometry=tiny", "--layers=2,4", "--experts=8",
+                      f"--stores={tmp_path / 'stores'}", f"--json={out}"],
+                     cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert [d["moe_layers"] for d in report["depths"]] == [2, 4]
+  assert report["disk"]["disk_gbs"] > 0 and os.path.getsize(report["png"]) > 0
+  assert all(w["misses"] == 0 for w in report["compute"]["warm_runs"].values())  # all resident
+  for fit in report["compute"]["fit"].values():
+    assert fit["intercept_s"] >= 0 and fit["slope_s_per_layer"] >= 0
+    assert fit["intercept_s"] + fit["slope_s_per_layer"] > 0
+  for d in report["depths"]:
+    assert (d["prompt_tokens"], d["new_tokens"], d["decode_steps"]) == (4, 6, 5)
+    assert d["peak_rss_mb"] > 0 and d["prefill_s"] > 0 and d["decode_s_per_token"] > 0
+    assert d["ms_per_layer_token"] == pytest.approx(1e3 * d["decode_s_per_token"]
+                                                    / d["moe_layers"])
+    assert d["host_cache_gb"] * 2**30 < d["expert_bytes_total"]  # only part of it fits
+    for phase in ("prefill", "decode"):
+      lim = d[f"{phase}_limit"]
+      assert lim["limit_s_per_token"] == max(lim["compute_s_per_token"], lim["io_s_per_token"])
+      assert lim["limit_s_per_token"] > 0 and lim["io_s_per_token"] > 0
+      assert d[f"{phase}_ratio"] == pytest.approx(lim["measured_s_per_token"]
+                                                  / lim["limit_s_per_token"])
+      assert d[f"{phase}_ratio"] > 0 and d[f"{phase}_bound"] in ("io", "compute")
+      for rate in ("hit_rate", "host_hit_rate", "belady_hit_rate", "lru_layer_hit_rate",
+                   "lru_global_hit_rate"):
+        assert 0 <= d[f"{phase}_{rate}"] <= 1, (phase, rate)
+      assert d[f"{phase}_belady_hit_rate"] >= d[f"{phase}_lru_global_hit_rate"]
+      e = d["engine"][phase]
+      served = e["expert_misses"] + e["expert_host_hits"] + e["expert_pin_hits"]
+      assert served == d["replay"][f"belady_{phase}"]["requests"] > 0
+    assert d["prefill_belady_hit_rate"] == 0  # one step from a cold start: compulsory misses
+    assert d["engine"]["prefill"]["expert_bytes_read"] >= d["replay"]["belady_prefill"]["bytes"]

@@ -47,6 +47,21 @@ class _Memory(collections.namedtuple("_Memory", "available total")):
   pass
 
 
+def _machine(monkeypatch, available: int, total: int, rss: int = 0, margin: bool = False):
+  """Host memory as `budget` sees it: psutil's figures, no cgroup or GLMJAX_MEMORY_GB limit,
+  this process's RSS `rss`, and no host margin unless `margin`."""
+  monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: _Memory(available, total))
+  monkeypatch.setattr(budget, "PROC_CGROUP", "/nonexistent/cgroup")
+  monkeypatch.setattr(budget, "CGROUP_ROOT", "/nonexistent")
+  monkeypatch.delenv(budget.MEMORY_ENV, raising=False)
+  monkeypatch.setattr(budget, "_process_rss", lambda: rss)
+  if not margin:
+    monkeypatch.setattr(budget, "HOST_MARGIN_MIN", 0)
+    monkeypatch.setattr(budget, "HOST_MARGIN_FRACTION", 0)
+    monkeypatch.setattr(budget, "HOST_FLOOR_MIN", 0)
+    monkeypatch.setattr(budget, "HOST_FLOOR_FRACTION", 0)
+
+
 def _embedded_sizes():
   """Elements of the embedded checkpoint's routed-expert tensors, and the bytes of all others in
   their stored dtypes, from its safetensors header (independent of the weight declaration)."""
@@ -79,18 +94,24 @@ def test_checkpoint_plan_equals_the_header_and_a_small_machine_is_refused(monkey
   assert plan.dense == other_bytes and plan.kv == per_pos * positions  # a float32 KV cache
   assert plan.dense == weights.nbytes(weights.dense_only(m.weights))
 
+  # The plan counts what the process held when it planned (its RSS then), and what it takes
+  # later besides the other parts.
+  assert plan.runtime > 0 and plan.parts()["runtime (this process now)"] == plan.runtime
+  assert plan.growth == budget.RUNTIME_GROWTH
+  assert plan.total == plan.runtime + plan.growth + plan.dense + plan.kv + plan.experts
+
   # A machine with less free memory than the plan: refused before anything is read, and the
-  # message lists every part with its bytes and the memory there is.
+  # message lists every part with its bytes and the memory there is (what the process holds
+  # now and what it may still allocate).
   need = plan.dense + plan.kv + plan.experts
   avail = need // 2
-  monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: _Memory(avail, avail))
-  monkeypatch.setattr(budget, "_host_margin", lambda: 0)
+  _machine(monkeypatch, avail, avail, rss=plan.runtime)
   with pytest.raises(glmjax.InputError) as e:
     glmjax.load(progress=False)
   msg = str(e.value)
   for label, value in plan.parts().items():
     assert re.search(rf"{re.escape(label)}\s+{value / GiB:.3f} GB", msg), (label, msg)
-  assert f"available  " in msg and f"{avail / GiB:.3f} GB" in msg
+  assert re.search(rf"available\s+{(avail + plan.runtime) / GiB:.3f} GB", msg), msg
 
 
 def test_store_plan_lists_the_tiers_when_they_do_not_fit(embedded_store, monkeypatch):
@@ -98,9 +119,9 @@ def test_store_plan_lists_the_tiers_when_they_do_not_fit(embedded_store, monkeyp
     plan = m.memory
     assert plan.host_cache == int(0.001 * GiB) and plan.device_cache == 0
     assert plan.dense == weights.nbytes(weights.dense_only(m.weights)) and plan.kv > 0
-  free = plan.dense + plan.kv + plan.working + GiB // 2  # room for the rest, not for 1 GB more
-  monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: _Memory(free, free))
-  monkeypatch.setattr(budget, "_host_margin", lambda: 0)
+  # room for the rest, not for 1 GB more
+  free = plan.growth + plan.dense + plan.kv + plan.working + GiB // 2
+  _machine(monkeypatch, free, free, rss=plan.runtime)
   with pytest.raises(glmjax.InputError) as e:
     glmjax.load(embedded_store, progress=False, host_cache_gb=1.0)
   msg = str(e.value)
@@ -117,7 +138,7 @@ def test_glm5_plan_on_a_32gb_accelerator(monkeypatch, fmt, fits):
   cfg = Config.from_dict(GLM5)
   dense = weights.dense_plan(cfg, fmt)["total"]
   monkeypatch.setattr(budget, "_device_free", lambda: 32 * GiB)
-  monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: _Memory(200 * GiB, 256 * GiB))
+  _machine(monkeypatch, 200 * GiB, 256 * GiB, rss=GiB, margin=True)
   chunk = 21_037_056  # one GLM-5 int4 expert chunk (20.05 MB)
   kv = 4096 * 78 * (512 + 64) * 2
   args = dict(dense_bytes=dense, dense_format=fmt, kv_bytes=kv, chunk_bytes=chunk,

@@ -161,6 +161,61 @@ def test_lru_matches_the_engine_host_cache():
     assert simulate(t, "lru", total=cap)["misses"] == misses
 
 
+def _lru_per_layer_holds(reqs, n_layers, cap):
+  """Reference: a separate LRU of `cap` experts per layer, admitting a request's misses in
+  union order without evicting a member of the union; yields its contents after each request."""
+  held = [[] for _ in range(n_layers)]  # least recently used first
+  for j, u in reqs:
+    lru = held[j]
+    for e in u:
+      if e in lru:
+        lru.remove(e)
+        lru.append(e)
+    for e in u:
+      if e in lru:
+        continue
+      if len(lru) >= cap:
+        old = [x for x in lru if x not in u]
+        if not old:
+          continue
+        lru.remove(old[0])
+      if cap:
+        lru.append(e)
+    yield j, set(lru)
+
+
+def test_the_host_cache_holds_what_an_lru_per_layer_holds():
+  """The engine's host rule with a share per layer (`layer_quotas`) keeps, after every
+  request, at least the experts a separate LRU per layer of that room keeps, at 1, 2 and 4
+  slots per layer over more layers than slots, so it hits at least as often; slots that do not
+  divide evenly go to the first layers, which then keep more. The rule it replaced (one LRU
+  over every layer, no quotas) hits less on the same decode-like traces."""
+  from glmjax.offload.rules import HostCache, layer_quotas
+  l, mb = 12, 1 << 20
+  worse = 0
+  for seed in range(3):
+    t = random_trace(seed, n=240, l=l, e=16, k=4, group=1)
+    reqs = requests(t.ids, t.steps)
+    tb = Trace.from_ids(t.ids, n_experts=16, steps=t.steps, expert_bytes=mb)
+    for cap in (1, 2, 4):
+      for spare in (0, 5):  # whole slots beyond cap per layer, for the first `spare` layers
+        budget = cap * l + spare  # one byte per expert: the budget counts slots
+        host = HostCache(budget, layer_quotas(budget, range(l), 1))
+        for (j, u), (_, want) in zip(reqs, _lru_per_layer_holds(reqs, l, cap)):
+          keys = [(j, e) for e in u]
+          missed = [k for k in keys if not host.touch(k)]
+          for k in missed:
+            host.put(k, 1, protect=set(keys))
+          held = {e for (jj, e) in host.keys() if jj == j}
+          assert want <= held and len(held) <= cap + (j < spare), (seed, cap, spare, j)
+        # the engine policy of the simulator runs the same rule, from budgets in GiB
+        eng = simulate(tb, "engine", device_cache_gb=0, host_cache_gb=budget * mb / (1 << 30))
+        per_layer = simulate(tb, "lru", per_layer=cap)
+        assert eng["host_hits"] >= per_layer["hits"] > 0, (seed, cap, spare)
+      worse += simulate(tb, "lru", total=cap * l)["hits"] < per_layer["hits"]
+  assert worse >= 6  # one LRU over every layer: the cyclic pattern defeats it
+
+
 def test_belady_is_the_optimum_on_tiny_traces():
   for seed in range(6):
     t = random_trace(seed, n=14, l=1 + seed % 2, e=4, k=2, group=2)

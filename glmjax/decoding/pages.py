@@ -16,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import psutil
 
 from glmjax.decoding.prefix import PrefixCache
 from glmjax.errors import InputError
@@ -52,15 +51,16 @@ class KVLayout:
 
 
 def free_bytes() -> int:
-  """Memory the KV cache may still take: free accelerator memory, or on a CPU-only machine the
-  available RAM, each less a margin for activations (1 GiB and 5%, 2 GiB and 10%)."""
+  """Memory the KV cache may still take: free accelerator memory less max(1 GiB, 5%), or on a
+  CPU-only machine the RAM automatic budgets may take (`offload.budget.host_available`: within
+  GLMJAX_MEMORY_GB or the cgroup's limit, less max(4 GiB, 25% of the memory total))."""
   dev = jax.devices()[0]
   stats = dev.memory_stats() if dev.platform != "cpu" else None
   if stats and "bytes_limit" in stats:
     free = int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     return free - max(GiB, free // 20)
-  vm = psutil.virtual_memory()
-  return int(vm.available - max(2 * GiB, vm.total // 10))
+  from glmjax.offload.budget import host_available  # budget imports the engine, which imports this
+  return host_available()
 
 
 class KVPool:

@@ -53,7 +53,7 @@ from glmjax.offload.owners import Ownership, peer_guarded
 from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider
-from glmjax.offload.rules import HostCache
+from glmjax.offload.rules import HostCache, layer_quotas
 from glmjax.offload.tiers import Heat, HostSlabs, Tiers
 from glmjax.sharding import axis_size
 
@@ -119,7 +119,10 @@ class OffloadEngine:
     self.owners = Ownership(mesh, e) if mesh is not None and not self.all_resident else None
     if mesh is not None and jax.process_count() > 1:
       _check_same_everywhere(store.path, dev_slots, cache_route is not None)
-    host = HostCache(0 if self.all_resident else budgets.host_bytes)  # the LRU rule
+    # The LRU rule, a share per layer with experts (the MTP layer's last)
+    host_bytes = 0 if self.all_resident else budgets.host_bytes
+    self.host_layers = self.moe_layers + [cfg.num_hidden_layers + j for j in range(len(dense.mtp))]
+    host = HostCache(host_bytes, layer_quotas(host_bytes, self.host_layers, self.chunk_bytes))
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
     slabs = HostSlabs(store.layout, self._max_host_slots(host.budget), n_layers, e)
     # The read function closes over the store only, never the engine (see ExpertReader).
@@ -398,6 +401,7 @@ class OffloadEngine:
     self.settle()
     return {
         "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
+        "host_layers": self.host_layers,
         "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
         "pins": {str(l): list(d.expert_in) for l, d in self.device.items()},
         "host": [list(k) for k in self.host.keys()],

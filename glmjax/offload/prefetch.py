@@ -16,6 +16,10 @@ from glmjax.offload.rules import PrefetchLedger, couple_top, land_free, learn_co
 from glmjax.offload.tiers import Tiers, atomic_write
 
 
+# A pilot union covering at least 1/WHOLE_LAYER of a layer's experts reads the whole layer.
+WHOLE_LAYER = 2
+
+
 def load_couple(path: str, layers: int, experts: int) -> np.ndarray:
   """Co-activation counts expert(L) → expert(L+1) `[layers, E, E]`, persisted between runs."""
   try:
@@ -104,7 +108,7 @@ class Prefetcher:
   def room_for(self, key) -> bool:
     """Whether `key` can land without evicting anything: free host-cache bytes for it, or a
     free slot in its layer's pin pool."""
-    if self.tiers.host.has_room(self.store.layout(key[0]).nbytes):
+    if self.tiers.host.has_room(key, self.store.layout(key[0]).nbytes):
       return True
     dev = self.tiers.pin_pool(*key)
     return dev is not None and dev.free_slot() is not None
@@ -162,9 +166,14 @@ class Prefetcher:
     self.prev_union = (layer, union)
 
   def hint_pilot(self, layer: int, pilot) -> None:
-    """Hints the pilot's union `pilot` `[T, k]` (real rows only) for `layer`."""
+    """Hints the pilot's union `pilot` `[T, k]` (real rows only) for `layer`; when that union
+    covers at least half of the layer's experts (a prefill's many rows), the whole layer,
+    the predicted experts first: its reads then overlap this layer's compute instead of
+    waiting for its routing (a 4-token prompt on 16 experts uses ~15 of them)."""
     pred = pilot_union(pilot)[1].tolist()
     self.pilot_pred[layer] = set(pred)
+    if WHOLE_LAYER * len(pred) >= self.n_experts:
+      pred += [e for e in range(self.n_experts) if e not in self.pilot_pred[layer]]
     self.hint(layer, pred, PILOT)
 
   def save(self) -> None:

@@ -33,7 +33,7 @@ from glmjax.model.moe import pool_terms
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE
 from glmjax.offload.prefetch import Prefetcher
-from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device, gather_slot
+from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device
 from pallas_kernels import cpu
 
 
@@ -275,7 +275,7 @@ class TieredProvider:
             self.host_expert(step, e, weights[e], miss_terms)
             place.rate("host", blob.nbytes, time.perf_counter() - t0)
         if upload:
-          uploaded = place.upload(layer, {**{e: gather_slot(slab.pool, slots[e])
+          uploaded = place.upload(layer, {**{e: slab.weights(slots[e])
                                              for e in cached}, **weights})
         self.stats["experts_on_device" if on_device else "experts_on_host"] += (
             len(cached) + len(arrived))

@@ -46,11 +46,23 @@ class HostSlab:
 
   def alloc(self) -> int:
     if self.pool is None:
-      self.pool = empty_pool(self.layout, self.max_slots, cpu_device())
+      # Raw bits (uint16 scales): installs update it in place, whatever its size. Writing 8
+      # experts into a 200-slot slab of bfloat16 scales took 350-410 ms, a pass over the
+      # whole slab; as raw bits it takes ~35 ms (BUILD_NOTES: what grew with depth).
+      self.pool = empty_pool(self.layout, self.max_slots, cpu_device(), raw=True)
       self.free = list(range(self.max_slots - 1, -1, -1))  # lowest slot popped first
     if not self.free:
       raise RuntimeError("host slab full")  # the LRU budget keeps this from happening
     return self.free.pop()
+
+  def weights(self, slot: int) -> ExpertWeights:
+    """The expert in `slot` as numpy weights in the layout's dtypes (a copy)."""
+    raw = gather_slot(self.pool, slot)
+    dtypes = [np.dtype(f.dtype) for f in self.layout.fields]
+    gp, gs, dp, ds = (np.asarray(a).view(d) for a, d in zip(
+        (raw.gate_up.packed, raw.gate_up.scales, raw.down.packed, raw.down.scales), dtypes))
+    return ExpertWeights(dataclasses.replace(raw.gate_up, packed=gp, scales=gs),
+                         dataclasses.replace(raw.down, packed=dp, scales=ds))
 
   def write(self, slots: list[int], blobs: list[np.ndarray]) -> None:
     """Writes chunk bytes into `slots`, up to WRITE_BATCH experts per donated in-place call.
@@ -169,30 +181,58 @@ def atomic_write(path: str, write) -> bool:
       os.unlink(tmp)
 
 
+def _bits(a):
+  """`a` viewed as unsigned integers of its width. XLA:CPU turns a dynamic update of a
+  bfloat16 array into a pass over the whole array (float normalization) and a bitcast of a
+  whole array into a copy, while an integer update of a donated buffer happens in place: so
+  the host slab holds raw bits (`empty_pool(raw=True)`), and updates of a bfloat16 pool (the
+  pin pools, small) go through this view."""
+  width = np.dtype(a.dtype).itemsize
+  return a if np.issubdtype(a.dtype, np.unsignedinteger) else (
+      jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]))
+
+
+def _put_slot(leaf, slot, part):
+  """`leaf` `[S, ...]` with `part` `[...]` (same dtype) written at `slot`, in place when
+  `leaf` is donated: the update runs on the integer view (`_bits`)."""
+  start = (slot,) + (0,) * part.ndim
+  out = jax.lax.dynamic_update_slice(_bits(leaf), _bits(part)[None], start)
+  return out if out.dtype == leaf.dtype else jax.lax.bitcast_convert_type(out, leaf.dtype)
+
+
+def _with_leaves(pool: ExpertPool, leaves) -> ExpertPool:
+  gp, gs, dp, ds = leaves
+  return ExpertPool(dataclasses.replace(pool.gate_up, packed=gp, scales=gs),
+                    dataclasses.replace(pool.down, packed=dp, scales=ds))
+
+
+def _leaves(pool: ExpertPool) -> list:
+  return [pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales]
+
+
 # The pool is donated: an install writes one expert's bytes in place instead of copying the
 # whole layer pool.
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _install(pool: ExpertPool, slot, expert: ExpertPool) -> ExpertPool:
-  return jax.tree_util.tree_map(lambda p, e: p.at[slot].set(e[0]), pool, expert)
+  return _with_leaves(pool, [_put_slot(p, slot, e[0])
+                             for p, e in zip(_leaves(pool), _leaves(expert))])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
 def _install_blobs(pool: ExpertPool, slots, blobs: tuple, layout) -> ExpertPool:
   """Chunks (a tuple of n `[B]` byte arrays) unpacked (the store layout's fields, bitcast in
   the jit) into `slots` `[n]` of a donated pool, each by an in-place slice update."""
-  leaves = [pool.gate_up.packed, pool.gate_up.scales, pool.down.packed, pool.down.scales]
+  leaves = _leaves(pool)
   for i, blob in enumerate(blobs):
     for j, f in enumerate(layout.fields):
       dtype = np.dtype(f.dtype)
       raw = blob[f.offset:f.offset + f.nbytes]
       if dtype.itemsize > 1:
         raw = raw.reshape(-1, dtype.itemsize)
-      part = jax.lax.bitcast_convert_type(raw, dtype).reshape(1, *f.shape)
-      start = (slots[i],) + (0,) * len(f.shape)
-      leaves[j] = jax.lax.dynamic_update_slice(leaves[j], part, start)
-  gp, gs, dp, ds = leaves
-  return ExpertPool(dataclasses.replace(pool.gate_up, packed=gp, scales=gs),
-                    dataclasses.replace(pool.down, packed=dp, scales=ds))
+      part = jax.lax.bitcast_convert_type(raw, _bits(leaves[j]).dtype).reshape(f.shape)
+      leaves[j] = _put_slot(leaves[j], slots[i], jax.lax.bitcast_convert_type(
+          part, leaves[j].dtype) if part.dtype != leaves[j].dtype else part)
+  return _with_leaves(pool, leaves)
 
 
 # Copies one pool slot into another pool on the same device (host slab → pin pool on a CPU-only
@@ -200,7 +240,8 @@ def _install_blobs(pool: ExpertPool, slots, blobs: tuple, layout) -> ExpertPool:
 # copy of the whole pool.
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _install_from(pool: ExpertPool, slot, source: ExpertPool, source_slot) -> ExpertPool:
-  return jax.tree_util.tree_map(lambda p, s: p.at[slot].set(s[source_slot]), pool, source)
+  return _with_leaves(pool, [_put_slot(p, slot, s[source_slot])
+                             for p, s in zip(_leaves(pool), _leaves(source))])
 
 
 @jax.jit
@@ -243,11 +284,15 @@ class DevicePool(PinSlots):
       self.install(expert, gather_slot(source, source_slot), slot)
 
 
-def empty_pool(layout, slots: int, device=None) -> ExpertPool:
+def empty_pool(layout, slots: int, device=None, raw: bool = False) -> ExpertPool:
   """A zero-filled pool of `slots` experts in `layout` (a store `ExpertLayout`) on `device`
-  (the default device if None)."""
+  (the default device if None). `raw`: every leaf as unsigned integers of its width (bfloat16
+  scales as their uint16 bits), for the CPU kernel, which reads raw bytes (see `_bits`)."""
   def zeros(f):
-    return jnp.zeros((slots, *f.shape), np.dtype(f.dtype), device=device)
+    dtype = np.dtype(f.dtype)
+    if raw and not np.issubdtype(dtype, np.unsignedinteger):
+      dtype = np.dtype(f"u{dtype.itemsize}")
+    return jnp.zeros((slots, *f.shape), dtype, device=device)
   gp, gs, dp, ds = (zeros(f) for f in layout.fields)
   proto = layout.unpack(np.zeros((1, layout.nbytes), np.uint8))
   return ExpertPool(dataclasses.replace(proto.gate_up, packed=gp, scales=gs),

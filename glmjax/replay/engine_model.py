@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from glmjax.errors import InputError
-from glmjax.offload.rules import HostCache, PinSlots, TierRules, lfru_admissions
+from glmjax.offload.rules import HostCache, PinSlots, TierRules, layer_quotas, lfru_admissions
 from glmjax.offload.tiers import Heat
 from glmjax.replay.policies import Policy, register
 from glmjax.replay.trace import Trace
@@ -52,7 +52,9 @@ def simulate_engine(trace: Trace, *, device_cache_gb: float | None = None,
   same = (dev_bytes, host_bytes) == (init.get("device_bytes"), init.get("host_bytes"))
   heat = _heat(init)
   pins = {l: PinSlots(l, slots) for l in layers} if slots else {}
-  host = HostCache(0 if slots == n_exp else host_bytes)
+  # the live run's shares of the host cache (its MTP layer's included), else one per layer
+  host_bytes = 0 if slots == n_exp else host_bytes
+  host = HostCache(host_bytes, layer_quotas(host_bytes, init.get("host_layers") or layers, chunk))
   if same:  # the live run's starting point
     for l, experts in init.get("pins", {}).items():
       for s, e in enumerate(experts):
