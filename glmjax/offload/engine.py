@@ -121,10 +121,13 @@ class OffloadEngine:
       _check_same_everywhere(store.path, dev_slots, cache_route is not None)
     # The LRU rule, a share per layer with experts (the MTP layer's last)
     host_bytes = 0 if self.all_resident else budgets.host_bytes
-    self.host_layers = self.moe_layers + [cfg.num_hidden_layers + j for j in range(len(dense.mtp))]
+    self.host_layers = self.moe_layers + [cfg.num_hidden_layers + j
+                                          for j in range(len(dense.mtp))]
     host = HostCache(host_bytes, layer_quotas(host_bytes, self.host_layers, self.chunk_bytes))
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
-    slabs = HostSlabs(store.layout, self._max_host_slots(host.budget), n_layers, e)
+    slabs = HostSlabs(store.layout, self._max_host_slots(host), n_layers, e)
+    if slabs.slab(self.moe_layers[0]).max_slots:  # the main layers' slab, filled now, not in
+      slabs.slab(self.moe_layers[0]).reserve()  # the first prefill
     # The read function closes over the store only, never the engine (see ExpertReader).
     # Every chunk this process reads, as (layer, expert), in submission order (the read log).
     self.read_log: list[tuple[int, int]] = []
@@ -170,11 +173,13 @@ class OffloadEngine:
     self.prefetcher.filling = (self.prefetcher.enabled and self.fused_step.enabled
                                and unpinned > 0 and host.budget >= unpinned * self.chunk_bytes)
 
-  def _max_host_slots(self, budget: int):
-    """Slots a host slab of a layout may grow to: the budget's worth, or every such expert."""
+  def _max_host_slots(self, host: HostCache):
+    """Slots a host slab of a layout may hold: the shares of the layers in that layout, each at
+    most every expert of its layer (a slab sized to the whole budget per layout held the
+    budget twice over once the MTP layer's int8 experts were cached beside the main ones)."""
     def slots(layout) -> int:
-      experts = sum(1 for l in self.store.where if self.store.layout(l) == layout)
-      return min(experts * self.cfg.n_routed_experts, budget // layout.nbytes)
+      return sum(min(self.cfg.n_routed_experts, int(host.share(l)) // layout.nbytes)
+                 for l in self.host_layers if self.store.layout(l) == layout)
     return slots
 
   # -- the parts' state, by the names callers use ----------------------------------------------

@@ -44,13 +44,18 @@ class HostSlab:
     self.pool: ExpertPool | None = None
     self.free: list[int] = []
 
-  def alloc(self) -> int:
+  def reserve(self) -> None:
+    """Allocates the pool, zero-filled, if it is not yet: the engine does it at load, since a
+    4 GB slab takes 2.7-3.9 s to fill, which the first insert (in a prefill) paid before."""
     if self.pool is None:
       # Raw bits (uint16 scales): installs update it in place, whatever its size. Writing 8
       # experts into a 200-slot slab of bfloat16 scales took 350-410 ms, a pass over the
-      # whole slab; as raw bits it takes ~35 ms (BUILD_NOTES: what grew with depth).
+      # whole slab; as raw bits it takes ~12 ms (BUILD_NOTES §23).
       self.pool = empty_pool(self.layout, self.max_slots, cpu_device(), raw=True)
       self.free = list(range(self.max_slots - 1, -1, -1))  # lowest slot popped first
+
+  def alloc(self) -> int:
+    self.reserve()
     if not self.free:
       raise RuntimeError("host slab full")  # the LRU budget keeps this from happening
     return self.free.pop()
