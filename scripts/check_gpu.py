@@ -1,22 +1,20 @@
 """The one command for a machine with a GPU (CI has none; the CPU suite runs the kernels in
-interpret mode). Writes one JSON report, in under 8 minutes on one H200:
+interpret mode). Writes one JSON report, in about 12 minutes on one H200 (8 without step 8):
 
   python scripts/check_gpu.py --out=$OUT/gpu_check.json
 
 1. compiled Pallas kernels against the float64 loop reference;
 2. the expert placement comparison (expert_compute device / host / auto: tok/s and logits);
-3. kernel GB/s and fraction of HBM at GLM-5 decode shapes (bench_kernels.py, P5), over the
-   default tiling and --variants; the fastest per row count is reported as the candidate for
-   `pallas_kernels.tuning.TABLE` (`tuning_candidates`);
+3. kernel GB/s and fraction of HBM at GLM-5 decode shapes (bench_kernels.py, P5) over the
+   default tiling and --variants, the fastest per row count as `tuning_candidates`;
 4. model-level Pallas against XLA (the store tests' pallas cases);
-5. bench_decode.py on a small synthetic store of GLM-5's real geometry (cold decode against its
-   physical limit);
-6. bench_experts.py at GLM-5 expert dims: the Pallas decode matvec (GB/s, fraction of HBM) and
-   grouped T = 16 / 128 / 1024 beside the host's numba kernel and DRAM bandwidth;
-7. quantized dense weights (issue 28): the compiled Pallas dense kernel against the float64
-   loop, and bench_dense.py's matvec table at GLM-5's dims (float32, bfloat16, int8 and int4
-   through `layers.linear`, int8/int4 also through XLA's dequantize-then-dot) to say whether
-   the Pallas kernel measures faster (`dense_pallas_faster`).
+5. bench_decode.py: cold decode of a 2-MoE-layer GLM-5-geometry store against its limit;
+6. bench_experts.py at GLM-5 expert dims: the Pallas decode matvec and grouped T = 16 / 128 /
+   1024 beside the host's numba kernel and DRAM bandwidth;
+7. quantized dense weights: the compiled Pallas dense kernel against the float64 loop, and
+   bench_dense.py's matvec table at GLM-5's dims (`dense_pallas_faster`: Pallas against XLA);
+8. bench_depth.py at --depth_layers MoE layers (24; 0 skips it): cold decode and prefill of a
+   GLM-5-geometry store at depth against their physical limit.
 
 Each check records its own failure instead of stopping the run.
 """
@@ -40,6 +38,8 @@ flags.DEFINE_list("variants", ["fma:32:32:128", "fma:64:64:256", "fma:128:128:25
                   "Candidate Pallas tilings timed beside the default "
                   "(mode:block_n:block_n_down:block_k[:num_warps[:num_stages]]).")
 flags.DEFINE_integer("decode_experts", 16, "Experts per MoE layer of the synthetic store.")
+flags.DEFINE_integer("depth_layers", 24, "MoE layers of bench_depth.py's store (0: skip it).",
+                     lower_bound=0)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5  # as in tests/test_kernels.py: f32 accumulation vs a float64 reference
@@ -101,12 +101,9 @@ def dense_kernel_checks() -> list[dict]:
 def dense_bench(workdir: str) -> dict:
   """bench_dense.py's matvec table on this accelerator; Pallas vs XLA per quantized format."""
   out = os.path.join(workdir, "bench_dense.json")
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_dense.py"),
-                      f"--json={out}", "--decode=false"], capture_output=True, text=True)
-  report = {"returncode": r.returncode, "stderr_tail": r.stderr[-2000:]}
-  if r.returncode == 0:
-    report["bench"] = json.load(open(out))
-    total = report["bench"]["matvec_total_ms"]
+  report = _steps_report([["bench_dense.py", f"--json={out}", "--decode=false"]], out, 600)
+  if report["ok"]:
+    total = report["report"]["matvec_total_ms"]
     report["dense_pallas_faster"] = {f: total[f] < total[f"{f} xla"] for f in ("int8", "int4")
                                      if f"{f} xla" in total}  # accelerators only
   return report
@@ -158,44 +155,51 @@ def tuning_candidates(bench: dict) -> dict:
   return best
 
 
-def decode_check(workdir: str) -> dict:
-  """bench_decode on a synthetic GLM-5-geometry store (2 MoE layers), read cold."""
+def _steps_report(steps: list, out: str, timeout: int) -> dict:
+  """Runs the commands `steps` in order in a temporary folder (`{tmp}` in them), then reads the
+  JSON report `out`; the first failure is reported instead."""
   import shutil
   import tempfile
-  tmp = tempfile.mkdtemp(prefix="check_gpu.")  # the store stays out of the report folder
-  store = os.path.join(tmp, "glm5")
-  out = os.path.join(workdir, "bench_decode.json")
-  steps = [
-      [sys.executable, os.path.join(ROOT, "scripts", "make_synthetic_store.py"),
-       "--geometry=glm5", "--moe_layers=2", f"--experts={FLAGS.decode_experts}",
-       "--vocab_size=4096", f"--dst={store}"],
-      [sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"), f"--model={store}",
-       "--cold", "--max_new_tokens=8", "--device_cache_gb=0.1", "--host_cache_gb=0.2",
-       f"--json={out}"]]
+  tmp = tempfile.mkdtemp(prefix="check_gpu.")  # stores stay out of the report folder
   try:
     for cmd in steps:
-      r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+      cmd = [sys.executable, os.path.join(ROOT, "scripts", cmd[0])] + [
+          a.format(tmp=tmp) for a in cmd[1:]]
+      r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
       if r.returncode:
         return dict(ok=False, failed=os.path.basename(cmd[1]), stderr_tail=r.stderr[-3000:])
     return dict(ok=True, report=json.load(open(out)))
+  except (subprocess.TimeoutExpired, OSError, ValueError) as e:  # report, keep going
+    return dict(ok=False, error=f"{type(e).__name__}: {e}")
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def decode_check(workdir: str) -> dict:
+  """bench_decode on a synthetic GLM-5-geometry store (2 MoE layers), read cold."""
+  out = os.path.join(workdir, "bench_decode.json")
+  return _steps_report([
+      ["make_synthetic_store.py", "--geometry=glm5", "--moe_layers=2",
+       f"--experts={FLAGS.decode_experts}", "--vocab_size=4096", "--dst={tmp}/glm5"],
+      ["bench_decode.py", "--model={tmp}/glm5", "--cold", "--max_new_tokens=8",
+       "--device_cache_gb=0.1", "--host_cache_gb=0.2", f"--json={out}"]], out, 240)
+
+
+def depth_check(workdir: str) -> dict:
+  """bench_depth.py at --depth_layers MoE layers, its stores made in a temporary folder."""
+  out = os.path.join(workdir, "bench_depth.json")
+  return _steps_report([["bench_depth.py", f"--layers={FLAGS.depth_layers}", "--stores={tmp}",
+                         f"--json={out}"]], out, 600)
 
 
 def experts_check(workdir: str, extra: tuple[str, ...] = ()) -> dict:
   """bench_experts at GLM-5 expert dims; the Pallas rows run because JAX has an accelerator."""
   out = os.path.join(workdir, "bench_experts.json")
-  try:
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_experts.py"),
-                        f"--repeats={min(FLAGS.repeats, 10)}", "--skip_per_pair",
-                        "--wait_idle_s=0", f"--out={out}", *extra],
-                       capture_output=True, text=True, timeout=300)
-  except subprocess.TimeoutExpired:
-    return dict(ok=False, error="bench_experts.py ran past 300 s")
-  if r.returncode:
-    return dict(ok=False, stderr_tail=r.stderr[-3000:])
-  report = json.load(open(out))
-  return dict(ok=experts_agree(report), report=report)
+  report = _steps_report([["bench_experts.py", f"--repeats={min(FLAGS.repeats, 10)}",
+                           "--skip_per_pair", "--wait_idle_s=0", f"--out={out}", *extra]],
+                         out, 300)
+  report["ok"] = report["ok"] and experts_agree(report["report"])
+  return report
 
 
 def experts_agree(report: dict) -> bool:
@@ -211,38 +215,34 @@ def main(argv):
   report = {"devices": [str(d) for d in jax.devices()], "started": time.time()}
   report["kernels"] = kernel_checks()
   report["placement"] = placement_checks()
-  bench = os.path.join(os.path.dirname(FLAGS.out) or ".", "bench_kernels.json")
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_kernels.py"),
-                      "--rows=1,2,3,4", f"--repeats={FLAGS.repeats}", f"--out={bench}",
-                      f"--variants={','.join(FLAGS.variants)}"],
-                     capture_output=True, text=True)
-  report["bench_returncode"] = r.returncode
-  report["bench_stderr_tail"] = r.stderr[-3000:]
-  if os.path.exists(bench):
-    report["bench"] = json.load(open(bench))
-    report["tuning_candidates"] = tuning_candidates(report["bench"])
+  here = os.path.dirname(os.path.abspath(FLAGS.out))
+  bench = os.path.join(here, "bench_kernels.json")
+  report["bench"] = _steps_report([["bench_kernels.py", "--rows=1,2,3,4", f"--out={bench}",
+                                     f"--repeats={FLAGS.repeats}",
+                                     f"--variants={','.join(FLAGS.variants)}"]], bench, 1800)
+  if report["bench"]["ok"]:
+    report["tuning_candidates"] = tuning_candidates(report["bench"]["report"])
   t = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x",
                       os.path.join(ROOT, "tests", "test_store.py"), "-k", "pallas"],
                      capture_output=True, text=True)
   report["model_level_pallas_vs_xla"] = {"returncode": t.returncode, "tail": t.stdout[-1500:]}
-  try:
-    report["decode"] = decode_check(os.path.dirname(os.path.abspath(FLAGS.out)))
-  except Exception as e:  # report, keep going
-    report["decode"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-  report["experts"] = experts_check(os.path.dirname(os.path.abspath(FLAGS.out)))
+  report["decode"] = decode_check(here)
+  report["experts"] = experts_check(here)
   report["dense_kernels"] = dense_kernel_checks()
-  report["dense"] = dense_bench(os.path.dirname(os.path.abspath(FLAGS.out)))
+  report["dense"] = dense_bench(here)
+  report["depth"] = depth_check(here) if FLAGS.depth_layers else {"ok": None}
   report["elapsed_s"] = time.time() - report.pop("started")
   with open(FLAGS.out, "w") as f:
     json.dump(report, f, indent=1)
-  ok = all(k["ok"] for k in report["kernels"])
-  placement_ok = all(p["ok"] for p in report["placement"])
-  print(json.dumps({"kernels_ok": ok, "placement_ok": placement_ok, "bench_rc": r.returncode,
-                    "model_rc": t.returncode, "decode_ok": report["decode"].get("ok"),
+  print(json.dumps({"kernels_ok": all(k["ok"] for k in report["kernels"]),
+                    "placement_ok": all(p["ok"] for p in report["placement"]),
+                    "bench_ok": report["bench"]["ok"], "model_rc": t.returncode,
+                    "decode_ok": report["decode"]["ok"],
                     "decode_ratio": report["decode"].get("report", {}).get("ratio"),
                     "experts_ok": report["experts"]["ok"],
                     "dense_kernels_ok": all(k["ok"] for k in report["dense_kernels"]),
-                    "dense_pallas_faster": report["dense"].get("dense_pallas_faster")}))
+                    "dense_pallas_faster": report["dense"].get("dense_pallas_faster"),
+                    "depth_ok": report["depth"]["ok"]}))
 
 
 if __name__ == "__main__":

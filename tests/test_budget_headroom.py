@@ -31,7 +31,8 @@ _Memory = collections.namedtuple("_Memory", "available total")
 # experts: more than any machine here, so automatic budgets take all the room there is).
 STORE = dict(dense_bytes=GiB, dense_format="bfloat16", kv_bytes=GiB // 4, chunk_bytes=4 * MiB,
              n_moe_layers=75, n_experts=2048, top_k=1)
-WORKING = 2 * 64 * 4 * MiB  # 2 × min(E, 64 rows · K) chunks
+# 2 × min(E, 64 rows · K) chunks, and the prefetched reads (MAX_HINTS chunks)
+WORKING = 2 * 64 * 4 * MiB + 64 * 4 * MiB
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_automatic_budgets_leave_the_margin(machine, total):
   machine(total, avail, device=80 * GiB)
   b, plan = budget.resolve(None, None, **STORE)
   assert plan.where == "device" and b.host_bytes > 0
-  assert avail - (plan.growth + plan.working + plan.host_cache) == margin(total)
+  assert avail - (plan.growth + plan.working + plan.prefetch + plan.host_cache) == margin(total)
 
 
 def test_memory_env_lowers_the_total(machine):

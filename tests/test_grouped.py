@@ -497,14 +497,14 @@ def test_a_prefetch_never_evicts_a_cached_expert(embedded_store):
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
                    host_cache_gb=0, prefetch=False) as plain, \
       glmjax.load(embedded_store, progress=False, device_cache_gb=0,
-                  host_cache_gb=6 * chunk / GB) as m:
+                  host_cache_gb=6 * chunk * len(plain.moe_layers) / GB) as m:
     eng = m.engine
     layer = eng.moe_layers[0]
     e = m.config.n_routed_experts
-    for x in range(6):  # fill the host cache through the engine's own inserts
+    for x in range(6):  # fill the layer's share of the host cache through the engine's inserts
       eng.tiers.put_host((layer, x), eng.store.read_chunk(layer, x))
     eng.tiers.slabs.flush()
-    assert eng.host.used + chunk > eng.host.budget  # full: a landing would have to evict
+    assert not eng.host.has_room((layer, 6), chunk)  # full: a landing would have to evict
     held = eng.host.keys()
     want, guesses = 6, [7, 8, 9]
     eng.hint(layer, [want, *guesses], PILOT)

@@ -120,7 +120,7 @@ def test_store_plan_lists_the_tiers_when_they_do_not_fit(embedded_store, monkeyp
     assert plan.host_cache == int(0.001 * GiB) and plan.device_cache == 0
     assert plan.dense == weights.nbytes(weights.dense_only(m.weights)) and plan.kv > 0
   # room for the rest, not for 1 GB more
-  free = plan.growth + plan.dense + plan.kv + plan.working + GiB // 2
+  free = plan.growth + plan.dense + plan.kv + plan.working + plan.prefetch + GiB // 2
   _machine(monkeypatch, free, free, rss=plan.runtime)
   with pytest.raises(glmjax.InputError) as e:
     glmjax.load(embedded_store, progress=False, host_cache_gb=1.0)

@@ -200,7 +200,7 @@ def test_the_host_cache_holds_what_an_lru_per_layer_holds():
     for cap in (1, 2, 4):
       for spare in (0, 5):  # whole slots beyond cap per layer, for the first `spare` layers
         budget = cap * l + spare  # one byte per expert: the budget counts slots
-        host = HostCache(budget, layer_quotas(budget, range(l), 1))
+        host = HostCache(budget, layer_quotas(budget, range(l), 1, 16)[0])
         for (j, u), (_, want) in zip(reqs, _lru_per_layer_holds(reqs, l, cap)):
           keys = [(j, e) for e in u]
           missed = [k for k in keys if not host.touch(k)]

@@ -57,13 +57,12 @@ def test_the_prefetcher_and_its_simulator_share_landing_and_expiry(embedded_stor
 
   # The engine: layer L's host cache full with experts 0 and 1; 2 and 3 predicted; the step
   # uses 0, 1, 2 and 4 (its lookups land what has room: nothing). The host cache gives every
-  # layer with experts (the MTP layer's too) an equal share: two chunks each.
+  # main layer an equal share: two chunks each.
   with open(os.path.join(embedded_store, "manifest.json")) as f:
     manifest = json.load(f)
   chunk = manifest["experts"]["main"]["layout"]["nbytes"]
-  shares = len(manifest["moe_layers"]) + len(manifest["mtp_layers"])
   with glmjax.load(embedded_store, progress=False, device_cache_gb=0,
-                   host_cache_gb=2 * chunk * shares / GB) as m:
+                   host_cache_gb=2 * chunk * len(manifest["moe_layers"]) / GB) as m:
     eng = m.engine
     layer = eng.moe_layers[0]
     for x in (0, 1):

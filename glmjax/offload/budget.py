@@ -7,7 +7,8 @@ weights (in their format), the KV pages of one sequence of `PLAN_KV_POSITIONS` p
 pool grows on demand, each growth checked again), the routed experts a resident model holds, and
 for an expert store the tiers' budgets plus a transient working set for the current layer's
 non-pinned experts (their chunk bytes on the host and one padded device pool), at most
-`min(E, rows·K)` experts twice over. On a CPU-only machine the
+`min(E, rows·K)` experts twice over, and the prefetched reads (`expert_io.MAX_HINTS` chunks:
+the hints queued, or read and held for their layer's step). On a CPU-only machine the
 plan's total is what the process's peak RSS is compared with (tests/test_budget_headroom.py).
 
 Host memory (`host_memory`): the memory total is physical RAM unless a lower limit applies
@@ -29,6 +30,7 @@ import jax
 import psutil
 
 from glmjax.offload.engine import Budgets
+from glmjax.offload.expert_io import MAX_HINTS
 from glmjax.errors import InputError
 
 GiB = 1 << 30
@@ -66,6 +68,7 @@ class MemoryPlan:
   device_cache: int = 0  # pinned experts (the device tier's budget)
   host_cache: int = 0  # the host tier's budget
   working: int = 0  # the current layer's non-pinned experts, transient
+  prefetch: int = 0  # prefetched reads queued or held for their layer's step, transient
   runtime: int = 0  # host RAM this process held when it planned (its RSS then)
   growth: int = 0  # host RAM it takes after planning besides the other parts (RUNTIME_GROWTH)
 
@@ -75,7 +78,7 @@ class MemoryPlan:
              "dense": f"dense weights ({self.dense_format})", "kv": "KV pages",
              "experts": "resident routed experts",
              "device_cache": "pinned experts", "host_cache": "host expert cache",
-             "working": "expert working set"}
+             "working": "expert working set", "prefetch": "prefetched reads"}
     return {label: getattr(self, k) for k, label in names.items() if getattr(self, k)}
 
   @property
@@ -273,13 +276,15 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
   are part of the plan."""
   total = n_moe_layers * n_experts * chunk_bytes
   working = 2 * min(n_experts, MAX_ROWS * top_k) * chunk_bytes
+  # prefetch holds at most the queued hints' reads beyond the working set (expert_io)
+  prefetch = MAX_HINTS * chunk_bytes
   mem = host_memory()
   avail = mem.room  # host RAM still to allocate; `rss` is held already, outside it
   rss = _process_rss()
   free = _device_free()
   per_slot = n_moe_layers * chunk_bytes  # one device slot in every MoE layer
   base = MemoryPlan(dense_bytes, dense_format, kv_bytes, "host" if free is None else "device",
-                    working=working, runtime=rss, growth=RUNTIME_GROWTH)
+                    working=working, prefetch=prefetch, runtime=rss, growth=RUNTIME_GROWTH)
 
   for name, v in (("device_cache_gb", device_cache_gb), ("host_cache_gb", host_cache_gb)):
     if v is not None and not v >= 0:
@@ -295,7 +300,7 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
     return Budgets(device, host), dataclasses.replace(base, device_cache=device, host_cache=host)
 
   if free is None:  # CPU: both tiers, the dense weights and the KV pages share host RAM
-    need = RUNTIME_GROWTH + dense_bytes + kv_bytes + working
+    need = RUNTIME_GROWTH + dense_bytes + kv_bytes + working + prefetch
     room, hard = avail - need, mem.hard_room - need  # automatic sizes; explicit ones
     if hard < 0:
       raise refuse(base.parts(), mem.hard_room + rss, mem.describe())
@@ -311,7 +316,8 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
 
   dev_free = free - max(GiB, free // 20)
   dev_room = dev_free - dense_bytes - kv_bytes - working
-  on_device = dataclasses.replace(base, runtime=0, growth=0)  # the runtime's is host RAM
+  # the runtime's and the prefetched reads are host RAM
+  on_device = dataclasses.replace(base, runtime=0, growth=0, prefetch=0)
   if dev_room < 0:
     raise refuse(on_device.parts(), dev_free, "free accelerator memory after the margin")
   if device is None:
@@ -319,10 +325,10 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
   elif device > dev_room:
     raise refuse(dataclasses.replace(on_device, device_cache=device).parts(), dev_free,
                  f"free accelerator memory after the margin (device_cache_gb={device_cache_gb})")
-  host_room = avail - RUNTIME_GROWTH - working
+  host_room = avail - RUNTIME_GROWTH - working - prefetch
   if host is None:
     host = max(0, min(total, host_room))
-  elif host > mem.hard_room - RUNTIME_GROWTH - working:
+  elif host > mem.hard_room - RUNTIME_GROWTH - working - prefetch:
     raise refuse(dataclasses.replace(base, dense=0, kv=0, host_cache=host).parts(),
                  mem.hard_room + rss, f"{mem.describe()} (host_cache_gb={host_cache_gb})")
   return done(device, host)

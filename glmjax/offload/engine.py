@@ -119,11 +119,13 @@ class OffloadEngine:
     self.owners = Ownership(mesh, e) if mesh is not None and not self.all_resident else None
     if mesh is not None and jax.process_count() > 1:
       _check_same_everywhere(store.path, dev_slots, cache_route is not None)
-    # The LRU rule, a share per layer with experts (the MTP layer's last)
+    # The LRU rule, a share per layer: the main layers first, the MTP layer what they leave
     host_bytes = 0 if self.all_resident else budgets.host_bytes
-    self.host_layers = self.moe_layers + [cfg.num_hidden_layers + j
-                                          for j in range(len(dense.mtp))]
-    host = HostCache(host_bytes, layer_quotas(host_bytes, self.host_layers, self.chunk_bytes))
+    quotas, rest = layer_quotas(host_bytes, self.moe_layers, self.chunk_bytes, e)
+    quotas.update(layer_quotas(rest, [cfg.num_hidden_layers + j for j in range(len(dense.mtp))],
+                               self.chunk_bytes, e)[0])
+    self.host_layers = list(quotas)
+    host = HostCache(host_bytes, quotas)
     n_layers = cfg.num_hidden_layers + len(dense.mtp)
     slabs = HostSlabs(store.layout, self._max_host_slots(host), n_layers, e)
     if slabs.slab(self.moe_layers[0]).max_slots:  # the main layers' slab, filled now, not in
@@ -406,7 +408,7 @@ class OffloadEngine:
     self.settle()
     return {
         "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
-        "host_layers": self.host_layers,
+        "host_quotas": {str(l): q for l, q in (self.host.quotas or {}).items()},
         "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
         "pins": {str(l): list(d.expert_in) for l, d in self.device.items()},
         "host": [list(k) for k in self.host.keys()],

@@ -27,6 +27,9 @@ class ExpertIOError(GlmjaxError):
 # before pilot predictions before co-activation predictions before the background fill of a
 # host cache that can hold every expert.
 DEMAND, PILOT, COUPLE, FILL = 0, 2, 3, 4
+# Hints queued at most; with the reads they held (their layer's next step takes or drops them),
+# what prefetch holds in memory beyond the working set (counted in the memory plan).
+MAX_HINTS = 64
 
 
 class ExpertReader:
@@ -41,7 +44,7 @@ class ExpertReader:
   """
 
   def __init__(self, read_fn: Callable[[int, int], np.ndarray], workers: int = 4,
-               timeout_s: float = 60.0, max_hints: int = 64):
+               timeout_s: float = 60.0, max_hints: int = MAX_HINTS):
     if workers < 1:
       raise ValueError(f"io_workers must be ≥ 1, got {workers}")
     self.read_fn = read_fn

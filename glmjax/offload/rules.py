@@ -26,21 +26,24 @@ REPIN_RATIO = 1.25
 REPIN_MARGIN = 4.0
 
 
-def layer_quotas(budget: int, layers, chunk: int) -> dict:
-  """Each layer's share of a host cache of `budget` bytes: its whole `chunk`s split evenly over
-  `layers`, one more to each of the first layers while any are left (4 GiB of 20.05 MB chunks
-  over 78 layers: 214 slots, 58 layers of 3 and 20 of 2; an even split in bytes held 2 each,
-  156 slots, and left 27% of the cache unused)."""
+def layer_quotas(budget: int, layers, chunk: int, cap: int) -> tuple[dict, int]:
+  """Each layer's share of a host cache of `budget` bytes, and the bytes left over: its whole
+  `chunk`s split evenly over `layers`, at most `cap` each (a layer's experts), one more to each
+  of the first layers while any remain (4 GiB of 20.05 MB chunks over 77 layers: 214 slots, 60
+  layers of 3 and 17 of 2; an even split in bytes held 2 each and left 28% unused)."""
   layers = list(layers)
   if not layers or chunk <= 0:
-    return {}
-  base, extra = divmod(int(budget) // int(chunk), len(layers))
-  return {l: (base + (i < extra)) * int(chunk) for i, l in enumerate(layers)}
+    return {}, int(budget)
+  slots = int(budget) // int(chunk)
+  base = min(int(cap), slots // len(layers))
+  extra = 0 if base >= cap else slots - base * len(layers)
+  quotas = {l: (base + (i < extra)) * int(chunk) for i, l in enumerate(layers)}
+  return quotas, int(budget) - sum(quotas.values())
 
 
 class HostCache:
   """LRU bookkeeping of host-cached experts under a byte budget (0 disables it), with a share
-  of it per layer (`quotas`: layer → bytes, e.g. `layer_quotas`; None: one LRU over every key).
+  of it per layer (`quotas`: layer → bytes, `layer_quotas`; None: one LRU over every key).
 
   Keys only: the bytes live in `glmjax.offload.tiers.HostSlabs`. Keeping the policy apart from
   the storage lets the engine and the simulator (glmjax.replay) run the very same rule.

@@ -52,9 +52,11 @@ def simulate_engine(trace: Trace, *, device_cache_gb: float | None = None,
   same = (dev_bytes, host_bytes) == (init.get("device_bytes"), init.get("host_bytes"))
   heat = _heat(init)
   pins = {l: PinSlots(l, slots) for l in layers} if slots else {}
-  # the live run's shares of the host cache (its MTP layer's included), else one per layer
+  # the live run's shares of the host cache (its MTP layer's included), else an even split
   host_bytes = 0 if slots == n_exp else host_bytes
-  host = HostCache(host_bytes, layer_quotas(host_bytes, init.get("host_layers") or layers, chunk))
+  quotas = ({int(l): int(q) for l, q in init["host_quotas"].items()}
+            if same and "host_quotas" in init else layer_quotas(host_bytes, layers, chunk, n_exp)[0])
+  host = HostCache(host_bytes, quotas)
   if same:  # the live run's starting point
     for l, experts in init.get("pins", {}).items():
       for s, e in enumerate(experts):
