@@ -135,6 +135,7 @@ class HostMemory:
 def host_memory() -> HostMemory:
   """Physical RAM, or the lowest limit below it (`GLMJAX_MEMORY_GB`, the cgroup's); under a
   limit, available = the limit less what is used inside it, at most psutil's available."""
+  _trim()
   vm = psutil.virtual_memory()
   total, avail, source = int(vm.total), int(vm.available), "physical RAM"
   for limit, used, name in _limits():
@@ -220,16 +221,19 @@ def _stat(path: str, key: str) -> int:
   return 0
 
 
-def _process_rss() -> int:
-  """This process's RSS, after handing the allocator's free heap back to the system: a model
-  closed in this process leaves its freed memory counted in RSS until then (2.6 GB after
-  closing a 24-layer GLM-5-geometry store, 0.7 GB after the trim), which the plan would
-  otherwise count twice."""
+def _trim() -> None:
+  """Hands the allocator's free heap back to the system: a model closed in this process leaves
+  its freed memory in RSS, and out of what the system calls available, until then (2.6 GB
+  after closing a 24-layer GLM-5-geometry store, 0.7 GB after the trim); the plan would count
+  it twice."""
   try:
     import ctypes
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc; elsewhere RSS is taken as it is
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc; elsewhere the figures are taken as they are
   except (OSError, AttributeError):
     pass
+
+
+def _process_rss() -> int:
   return psutil.Process().memory_info().rss
 
 
