@@ -190,16 +190,16 @@ def _bits(a):
   """`a` viewed as unsigned integers of its width. XLA:CPU turns a dynamic update of a
   bfloat16 array into a pass over the whole array (float normalization) and a bitcast of a
   whole array into a copy, while an integer update of a donated buffer happens in place: so
-  the host slab holds raw bits (`empty_pool(raw=True)`), and updates of a bfloat16 pool (the
-  pin pools, small) go through this view."""
+  the host slab holds raw bits (`empty_pool(raw=True)`). A bfloat16 pool (the pin pools,
+  small) is updated through this view too, but its view back still costs a pass over it."""
   width = np.dtype(a.dtype).itemsize
   return a if np.issubdtype(a.dtype, np.unsignedinteger) else (
       jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]))
 
 
 def _put_slot(leaf, slot, part):
-  """`leaf` `[S, ...]` with `part` `[...]` (same dtype) written at `slot`, in place when
-  `leaf` is donated: the update runs on the integer view (`_bits`)."""
+  """`leaf` `[S, ...]` with `part` `[...]` (same dtype) written at `slot`, in place when `leaf`
+  is donated and unsigned: the update runs on the integer view (`_bits`)."""
   start = (slot,) + (0,) * part.ndim
   out = jax.lax.dynamic_update_slice(_bits(leaf), _bits(part)[None], start)
   return out if out.dtype == leaf.dtype else jax.lax.bitcast_convert_type(out, leaf.dtype)
