@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["glmjax", "glmjax.*", "pallas_kernels", "pallas_kernels.*"]),
     include_package_data=True,
-    package_data={"glmjax": ["embedded_model/*", "replay/*.json"]},
+    package_data={"glmjax": ["embedded_model/*", "studies/*.json"]},
     install_requires=[
         # Capped at the newest release tested: pallas_kernels/cpu_ffi.py reads XLA's FFI call frame
         # at word offsets checked against jaxlib 0.10.2 (it self-tests and falls back if they move).

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import weakref
 from typing import Callable, Sequence
 
@@ -16,15 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.decoding.generation import (GenerationResult, Runner, chunk_plan, new_request,
-                                        run_request)
+from glmjax.decoding.generation import GenerationResult, new_request, run_request
 from glmjax.decoding.pages import KVLayout, KVPool
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
 from glmjax.model.config import Config
-from glmjax.model.forward import JITTED, RecordOptions, record_fn, score_fn, stack_records
+from glmjax.model.forward import RecordOptions
 from glmjax.model.weights import Weights
 from glmjax.options import Options
+from glmjax.runtime.executor import Executor, chunk_plan, executor_for
 
 __all__ = ["load", "Model", "ChatSession", "GenerationResult"]
 
@@ -41,15 +40,14 @@ def _target_logprobs(logits, targets, top_k: int = 0):
   return target, top_ids, top_lp
 
 
-STATS_EVERY_S = 600.0  # the offload statistics reach the store at most this often (and at close)
-
 class Model:
-  """A loaded GLM-5 model: `config`, `weights` and the steps that run them.
+  """A loaded GLM-5 model: its `config`, `tokenizer`, `executor` and KV pool (`kv`).
 
-  Models loaded from an expert store run through `engine` (glmjax.offload.engine's
-  OffloadEngine), whose routed experts live in the device/host/disk tiers; HF checkpoints and
-  stores whose experts all fit run fully resident, one jit per step. `kv` is the paged KV
-  cache that generate and chat sessions take their pages from.
+  The executor (glmjax.runtime) runs the steps: one jit per step over resident weights (HF
+  checkpoints, stores whose experts all fit), or the offload engine's layer steps, whose routed
+  experts live in the device/host/disk tiers. `kv` is the paged KV cache that generate and
+  chat sessions take their pages from. `weights` are the resident weights (the dense ones of
+  an offloaded store); `engine` is the offload engine or None, for tests and debugging.
   """
 
   def __init__(self, config: Config, weights: Weights, options: Options, path: str | None = None,
@@ -59,15 +57,11 @@ class Model:
     self.weights = weights
     self.options = options
     self.path = path
-    self.engine = engine
     self.mesh = mesh  # the jax.sharding.Mesh the weights are sharded over, or None
-    # Resident models run one jit per step; a store whose experts all fit is one of them (its
-    # engine stays for telemetry). Otherwise the engine drives the forward layer by layer.
-    self.offloaded = engine is not None and not engine.all_resident
-    self.runner = Runner(self)
+    self.executor: Executor = executor_for(config, weights, options, mesh, engine,
+                                           None if memory is None else memory.dense)
     self._kv: KVPool | None = None
     self._closed = False
-    self._stats_saved_at = time.monotonic()
     self.tokenizer = _tokenizer(path)
 
   def __repr__(self):
@@ -117,17 +111,7 @@ class Model:
     jit for resident models; through the engine's layer steps for offloaded ones.
     `fetch=False` returns device arrays without waiting for them (pipelined replays)."""
     self._check_open()
-    arr = self.check_tokens(tokens, 2)
-    put = self.runner.put
-    if self.offloaded:
-      rec: list = []
-      self.engine.forward(arr, record=rec, record_opts=opts)
-      out = stack_records(rec)
-    else:
-      out = record_fn(self.weights, put(arr), put(0, jnp.int32), cfg=self.config,
-                      kernel=self.options.moe_kernel, opts=opts, mesh=self.mesh,
-                      impl=self.options.attention)
-    return {k: np.asarray(v) for k, v in out.items()} if fetch else out
+    return self.executor.record(self.check_tokens(tokens, 2), opts, fetch)
 
   @property
   def moe_layers(self) -> list[int]:
@@ -159,16 +143,7 @@ class Model:
     chunk = self.options.prefill_chunk
     if chunk and arr.shape[1] > chunk:
       return self._score_cached(arr, tgt, top_k)
-    if self.offloaded:
-      logits = self.engine.forward(arr)[0]
-    else:
-      put = self.runner.put
-      logits = score_fn(self.weights, put(arr, batch=True), put(0, jnp.int32), cfg=self.config,
-                        kernel=self.options.moe_kernel, mesh=self.mesh,
-                        impl=self.options.attention)
-      if self.mesh is not None:  # every process gets every row (a data-split batch is gathered)
-        from glmjax import sharding
-        logits = sharding.gather(logits, self.mesh)
+    logits = self.executor.score(arr)
     if tgt is not None:
       return jax.tree.map(np.asarray, _target_logprobs(logits, jnp.asarray(tgt), top_k))
     return np.asarray(logits, np.float32)
@@ -176,26 +151,14 @@ class Model:
   def _score_cached(self, arr: np.ndarray, tgt, top_k: int = 0):
     """`score` through the KV cache: each row its pages, chunk by chunk."""
     b, s = arr.shape
-    pool, runner = self.kv, self.runner
+    pool, ex = self.kv, self.executor
     pages = [pool.alloc(pool.layout.pages_for(s), f"score ({s} tokens)") for _ in range(b)]
     out = np.zeros((b, s) if tgt is not None else (b, s, self.config.vocab_size), np.float32)
     tops = (np.zeros((b, s, top_k), np.int32), np.zeros((b, s, top_k), np.float32))
     try:
-      cache = pool.cache([pool.table(p) for p in pages], 0, runner.put)
-      plan = chunk_plan(s, self.options.prefill_chunk)
-      if self.offloaded:  # layer-major: each expert read once for the whole sequence
-        pieces = [jnp.asarray(np.pad(arr[:, o:o + n], ((0, 0), (0, w - n)))) for o, n, w in plan]
-        xs, cache = self.engine.prefill(pieces, cache, plan[-1][1])
-        heads = (JITTED.logits(self.weights, x, cfg=self.config) for x in xs)
-      else:
-        def chunks():
-          nonlocal cache
-          for o, n, w in plan:
-            toks = np.pad(arr[:, o:o + n], ((0, 0), (0, w - n)))
-            logits, _, cache = runner.step(cache, toks, o, absorbed=False, n_valid=None)
-            yield logits
-        heads = chunks()
-      for (o, n, w), logits in zip(plan, heads):
+      cache = pool.cache([pool.table(p) for p in pages], 0, ex.put)
+      chunks = ex.prefill_rows(cache, arr)  # chunk by chunk: (logits [B, w, V], cache)
+      for (o, n, w), (logits, cache) in zip(chunk_plan(s, ex.chunk), chunks):
         if tgt is not None:
           t = np.pad(tgt[:, o:o + n], ((0, 0), (0, w - n)))
           got = jax.tree.leaves(_target_logprobs(logits, jnp.asarray(t), top_k))
@@ -268,8 +231,8 @@ class Model:
       if trace is not None:
         request.recorder = self._recorder(trace)
       request.cached_tokens = start
-      result = run_request(self, pool, pages, start, prompt_ids[start:], request, draft,
-                           on_round)
+      result = run_request(self.executor, pool, pages, start, prompt_ids[start:], request,
+                           draft, on_round)
       if reuse:
         pool.prefix.insert(prompt_ids, pages, n)
     finally:
@@ -280,10 +243,10 @@ class Model:
 
   def _recorder(self, path: str):
     from glmjax.replay import record
-    eng = self.engine
-    meta = record.manifest(self.config, self.moe_layers, eng.chunk_bytes if eng else 0,
-                           RecordOptions(), source="generate")
-    return record.LiveRecorder(path, meta, eng.tier_state() if self.offloaded else None)
+    ex = self.executor
+    meta = record.manifest(self.config, self.moe_layers, ex.expert_bytes, RecordOptions(),
+                           source="generate")
+    return record.LiveRecorder(path, meta, ex.tier_state())
 
   def chat(self, system: str | None = None, enable_thinking: bool = False,
            max_context: int | None = None) -> "ChatSession":
@@ -312,21 +275,17 @@ class Model:
     return ids
 
   # --- lifetime ------------------------------------------------------------------------------
-  def persist_stats(self, force: bool = False) -> None:
-    """Writes the offload engine's usage histogram and co-activation table to the store
-    (about 20 MB at GLM-5's size): on `close()`, and after a request at most every
-    STATS_EVERY_S seconds, so a notebook's or server's calls do no disk I/O each."""
-    now = time.monotonic()
-    if self.engine is not None and (force or now - self._stats_saved_at >= STATS_EVERY_S):
-      self.engine.save()
-      self._stats_saved_at = now
+  @property
+  def engine(self):
+    """The offload engine (glmjax.offload.engine.OffloadEngine) of a store, else None: for
+    tests and debugging; the library and the scripts go through `executor`."""
+    return self.executor.engine
 
   def close(self) -> None:
     """Saves the offload statistics, stops the I/O threads and frees the KV cache. Idempotent;
     afterwards every call raises InputError. A model garbage-collected without close()
     releases them too."""
-    if self.engine is not None:
-      self.engine.close()
+    self.executor.close()
     self._kv = None
     self._closed = True
 
@@ -403,7 +362,7 @@ class ChatSession:
       self.pages.extend(pool.alloc(need - len(self.pages), "chat turn"))
     # Positions past `common` are stale; attention never sees them once overwritten. A failed
     # turn resets the pool (a new epoch): the next turn rebuilds from the feeds.
-    result = run_request(model, pool, self.pages, common, prompt, request)
+    result = run_request(model.executor, pool, self.pages, common, prompt, request)
     self.tokens = list(ids) + result.tokens[:-1] if result.tokens else list(ids)[:-1]
     self._feeds.append((common, prompt, result.tokens[:-1]))
     result.stats["reused_tokens"] = float(common)
@@ -413,14 +372,14 @@ class ChatSession:
   def _rebuild(self) -> None:
     """The session's pages refilled with its successful turns, fed exactly as they were."""
     model = self.model
-    pool, runner = model.kv, model.runner
-    cache = pool.cache([pool.table(self.pages)], 0, runner.put)
+    pool, ex = model.kv, model.executor
+    cache = pool.cache([pool.table(self.pages)], 0, ex.put)
     try:
       for common, prompt, decoded in self._feeds:
-        _, _, cache = runner.prefill(cache, prompt, common)
+        _, _, cache = ex.prefill(cache, prompt, common)
         length = common + len(prompt)
         for tok in decoded:
-          _, _, cache = runner.step(cache, [[tok]], length)
+          _, _, cache = ex.step(cache, [[tok]], length)
           length += 1
       pool.update(cache)
     except BaseException:

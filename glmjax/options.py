@@ -1,7 +1,9 @@
 """Runtime options: everything that is not architecture.
 
-None of these is a jit static argument unless it changes shapes (the weight dtype does; the
-kernel choice selects a different function rather than retracing one).
+Two become static arguments of the jitted steps: `moe_kernel` (as `kernel`) and `attention`
+(as `impl`); changing either compiles new executables. `dtype`, `kv_dtype`, `index_dtype` and
+`prefill_chunk` reach the steps only through the dtypes and shapes of their arrays. The rest
+steer the host side (loading, the offload engine's tiers and threads, the KV pool).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 DTYPES = ("auto", *_DTYPES)
 # dtype="auto" on a CPU, by the weights' stored float dtype: bfloat16 weights stay bfloat16 (the
 # numba kernel reads them exactly, accumulates in float32, and decoded 1.09-1.25x float32's in
-# six quiet runs, at half the memory: BUILD_NOTES §22); anything else loads as float32 (float32
+# six quiet runs, at half the memory: DESIGN.md §12); anything else loads as float32 (float32
 # weights are never rounded; float16 has no CPU kernel). Quantized dense leaves stay as the
 # store holds them whatever the dtype.
 CPU_AUTO_DTYPES = {"bfloat16": "bfloat16"}
 CPU_FALLBACK_DTYPE = "float32"
 MAX_PREFILL_CHUNK = 1 << 16
-DEFAULT_PREFILL_CHUNK = 1024  # BUILD_NOTES §19: prefill speed and memory by chunk size
+DEFAULT_PREFILL_CHUNK = 1024  # DESIGN.md §7: prefill speed and memory by chunk size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,9 @@ class Options:
     cache_route: opt-in, lossy: keep the true top-`route_keep` experts and fill the other
       slots with resident experts among the top-`route_rank` by biased score (results then
       depend on cache state). Reports route_swap_rate, route_overlap, route_kl.
+    route_keep: with cache_route, the true top experts always kept.
+    route_rank: with cache_route, resident experts are taken from the top `route_rank` by
+      biased score.
     expert_budget: opt-in, lossy (None = off): caps the experts a speculative verify pass
       reads per MoE layer. The step's most chosen experts (ties: summed router score) are kept
       and every token is routed within them; fewer experts are loaded at some cost in MTP
@@ -161,7 +166,7 @@ class Options:
     on `platform` ("cpu", "gpu", "tpu"); a concrete dtype is kept."""
     opts = self
     if platform == "cpu" and opts.kv_dtype == "auto":
-      # float32 KV whatever the weights: a bfloat16 cache added 1.5e-4 KL (BUILD_NOTES §19),
+      # float32 KV whatever the weights: a bfloat16 cache added 1.5e-4 KL (DESIGN.md §6),
       # and MLA's cache is small next to the weights.
       opts = dataclasses.replace(opts, kv_dtype="float32")
     if opts.dtype != "auto":

@@ -4,10 +4,10 @@ Standalone (nothing from ``glmjax``). ``W [O, I]`` is either
 
 * group-wise int4/int8 (the expert layout of ``pallas_kernels.cpu``: packed codes
   ``[O, Kp/2]`` uint8 or ``[O, Kp]`` int8, bf16 scales ``[O, Kp/G]``); the arithmetic is
-  ``cpu._qmatmul``'s, the expert kernels' own row kernels (one decoder, not two), or
+  ``cpu_rows.qmatmul``'s, the expert kernels' own row kernels (one decoder, not two), or
 * bfloat16 (its bits as uint16 ``[O, I]``), upcast in registers (a shift: exact).
 
-Arithmetic (both formats, every T, every thread count): as in ``pallas_kernels.cpu``. The
+Arithmetic (both formats, every T, every thread count): as in ``pallas_kernels.cpu_rows``. The
 input row is zero-padded to ``Kq`` (the padded width rounded up to 32), each output element
 is the sum of 16-feature chunks, chunk ``c`` fused-multiply-added into accumulator
 ``A[c % 2]`` in increasing order, then ``hsum(A0 + A1)``. So an output row depends only on
@@ -18,13 +18,13 @@ Loop order and threading. Work is split over output rows only (numba ``prange``,
 thread pool, the one the expert kernels use). Decode (T = 1) streams each weight row once and
 dots it in registers; more tokens decode a block of 16 weight rows once into a float32
 buffer and apply it to tiles of 4 tokens (reduction in blocks of 1024 features, so a token
-tile stays in L1), as ``cpu._grouped_rows`` does. Matrices under
-``cpu.PARALLEL_MIN_WEIGHTS`` weights run on the calling thread.
+tile stays in L1), as ``cpu_rows``' grouped path does. Matrices under
+``cpu_rows.PARALLEL_MIN_WEIGHTS`` weights run on the calling thread.
 
 ``heads_core`` applies a quantized MLA kv_b ``[H (N + V), C]`` per head (attention's absorbed
 form) without dequantizing it whole: the value rows of head h times that head's latent context
-(``cpu.qmatmul_serial`` at the head's rows), and the query's N entries times the head's key rows
-(rows decoded one by one and accumulated in row order); parallel over heads.
+(``cpu_rows.qmatmul_serial`` at the head's rows), and the query's N entries times the head's key
+rows (rows decoded one by one and accumulated in row order); parallel over heads.
 
 One compiled specialization per kernel: ``dense_core`` takes read-only C-contiguous inputs
 (x float32 [T, I], flat uint8 codes or uint16 bf16 bits, flat uint16 scales) from the Python
@@ -39,14 +39,15 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.extending import intrinsic
 
-from pallas_kernels import cpu
+from pallas_kernels import cpu_rows
+from pallas_kernels.cpu_vec import (JIT, LANES, VT, bf16, c_array, elem_ptr, f32x16, vadd, vfma,
+                                    vhsum, vld, vst, vzero)
 
 __all__ = ["qmatmul", "bf16_matmul", "heads_matmul", "dense_core", "heads_core", "BF16",
            "KEYS", "VALUES"]
 
 BF16 = 16  # the `bits` code of a bfloat16 weight in dense_core and the custom call
 KEYS, VALUES = 0, 1  # heads_core's two uses of an MLA kv_b
-_LANES = cpu.LANES
 _DECODE_ROWS = 128  # output rows per prange task at T = 1
 _ROW_BLOCK = 16  # bf16 weight rows decoded per buffer fill (T > 1)
 _K_BLOCK = 1024  # reduction features per pass (T > 1); a multiple of 2 * LANES
@@ -55,121 +56,121 @@ _K_BLOCK = 1024  # reduction features per pass (T > 1); a multiple of 2 * LANES
 # shorter rows stream as fast or faster one at a time (0.6-0.8x four at a time at 2,048 features,
 # even at 4,096 and 5,120).
 _BF16_ROWS4_MIN_K = 6144
-_I16V = ir.VectorType(ir.IntType(16), _LANES)
-_I32V = ir.VectorType(ir.IntType(32), _LANES)
+_I16V = ir.VectorType(ir.IntType(16), LANES)
+_I32V = ir.VectorType(ir.IntType(32), LANES)
 
 
 @intrinsic
 def _vbf16(typingctx, arr, idx):
   """16 bf16 (uint16 bits, flat element `idx`) as float32 lanes, exactly (bits << 16)."""
-  if not cpu._c_array(arr, numba.types.uint16):
+  if not c_array(arr, numba.types.uint16):
     return None
 
   def cg(context, builder, sig, args):
-    p = cpu._elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I16V)
+    p = elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I16V)
     b = builder.zext(builder.load(p, align=2), _I32V)
-    return builder.bitcast(builder.shl(b, ir.Constant(_I32V, [16] * _LANES)), cpu._VT)
+    return builder.bitcast(builder.shl(b, ir.Constant(_I32V, [16] * LANES)), VT)
 
-  return cpu._f32x16(arr, idx), cg
+  return f32x16(arr, idx), cg
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_row(xb, w, wo, kq):
   """W[row] . xb[:kq] with the bf16 row (kq features, no padding) upcast in registers."""
-  a0 = cpu._vzero()
-  a1 = cpu._vzero()
-  for j in range(0, kq, 2 * _LANES):
-    a0 = cpu._vfma(_vbf16(w, wo + j), cpu._vld(xb, j), a0)
-    a1 = cpu._vfma(_vbf16(w, wo + j + _LANES), cpu._vld(xb, j + _LANES), a1)
-  return cpu._vhsum(cpu._vadd(a0, a1))
+  a0 = vzero()
+  a1 = vzero()
+  for j in range(0, kq, 2 * LANES):
+    a0 = vfma(_vbf16(w, wo + j), vld(xb, j), a0)
+    a1 = vfma(_vbf16(w, wo + j + LANES), vld(xb, j + LANES), a1)
+  return vhsum(vadd(a0, a1))
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_rows4(xb, w, wo, i_dim, kq):
   """`_bf16_row` of the four rows at w[wo], w[wo + i_dim], ..., each with its own two
   accumulators in its own order (so bitwise the same), sharing the loads of x: four
-  independent accumulator pairs hide the multiply-add latency (BUILD_NOTES §22)."""
-  a0 = cpu._vzero()
-  a1 = cpu._vzero()
-  b0 = cpu._vzero()
-  b1 = cpu._vzero()
-  c0 = cpu._vzero()
-  c1 = cpu._vzero()
-  d0 = cpu._vzero()
-  d1 = cpu._vzero()
-  for j in range(0, kq, 2 * _LANES):
-    x0 = cpu._vld(xb, j)
-    x1 = cpu._vld(xb, j + _LANES)
-    a0 = cpu._vfma(_vbf16(w, wo + j), x0, a0)
-    a1 = cpu._vfma(_vbf16(w, wo + j + _LANES), x1, a1)
-    b0 = cpu._vfma(_vbf16(w, wo + i_dim + j), x0, b0)
-    b1 = cpu._vfma(_vbf16(w, wo + i_dim + j + _LANES), x1, b1)
-    c0 = cpu._vfma(_vbf16(w, wo + 2 * i_dim + j), x0, c0)
-    c1 = cpu._vfma(_vbf16(w, wo + 2 * i_dim + j + _LANES), x1, c1)
-    d0 = cpu._vfma(_vbf16(w, wo + 3 * i_dim + j), x0, d0)
-    d1 = cpu._vfma(_vbf16(w, wo + 3 * i_dim + j + _LANES), x1, d1)
-  return (cpu._vhsum(cpu._vadd(a0, a1)), cpu._vhsum(cpu._vadd(b0, b1)),
-          cpu._vhsum(cpu._vadd(c0, c1)), cpu._vhsum(cpu._vadd(d0, d1)))
+  independent accumulator pairs hide the multiply-add latency (DESIGN.md §13)."""
+  a0 = vzero()
+  a1 = vzero()
+  b0 = vzero()
+  b1 = vzero()
+  c0 = vzero()
+  c1 = vzero()
+  d0 = vzero()
+  d1 = vzero()
+  for j in range(0, kq, 2 * LANES):
+    x0 = vld(xb, j)
+    x1 = vld(xb, j + LANES)
+    a0 = vfma(_vbf16(w, wo + j), x0, a0)
+    a1 = vfma(_vbf16(w, wo + j + LANES), x1, a1)
+    b0 = vfma(_vbf16(w, wo + i_dim + j), x0, b0)
+    b1 = vfma(_vbf16(w, wo + i_dim + j + LANES), x1, b1)
+    c0 = vfma(_vbf16(w, wo + 2 * i_dim + j), x0, c0)
+    c1 = vfma(_vbf16(w, wo + 2 * i_dim + j + LANES), x1, c1)
+    d0 = vfma(_vbf16(w, wo + 3 * i_dim + j), x0, d0)
+    d1 = vfma(_vbf16(w, wo + 3 * i_dim + j + LANES), x1, d1)
+  return (vhsum(vadd(a0, a1)), vhsum(vadd(b0, b1)),
+          vhsum(vadd(c0, c1)), vhsum(vadd(d0, d1)))
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_decode_span(xb, w, i_dim, kq, r_lo, r_hi, yb):
   """Decode (one token row xb): yb[r] for output rows [r_lo, r_hi), four rows at a time when
   x is longer than `_BF16_ROWS4_MIN_K` (bitwise the same either way)."""
   r = r_lo
   while kq >= _BF16_ROWS4_MIN_K and r + 4 <= r_hi:
-    cpu._put4(yb, r, _bf16_rows4(xb, w, r * i_dim, i_dim, kq))
+    cpu_rows.put4(yb, r, _bf16_rows4(xb, w, r * i_dim, i_dim, kq))
     r += 4
   for rr in range(r, r_hi):
     yb[rr] = _bf16_row(xb, w, rr * i_dim, kq)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_decode_rows(w, i_dim, r_lo, nr, kq, wbuf):
   """wbuf[r * kq :] = bf16 row r_lo + r as float32, zero beyond i_dim (r < nr)."""
   for r in range(nr):
     wo = (r_lo + r) * i_dim
     bo = r * kq
     j = 0
-    while j + _LANES <= i_dim:
-      cpu._vst(wbuf, bo + j, _vbf16(w, wo + j))
-      j += _LANES
+    while j + LANES <= i_dim:
+      vst(wbuf, bo + j, _vbf16(w, wo + j))
+      j += LANES
     for jj in range(j, i_dim):
-      wbuf[bo + jj] = cpu._bf16(w[wo + jj])
+      wbuf[bo + jj] = bf16(w[wo + jj])
     for jj in range(i_dim, kq):
       wbuf[bo + jj] = np.float32(0.0)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_block_tokens(wbuf, nr, xb, n, kq, st, yb, o, r_lo):
   """yb[t, r_lo + r] for the nr decoded rows in wbuf and all n tokens (cpu's tile order)."""
-  ss = 2 * _LANES * 4  # accumulators of one row x a 4-token tile
+  ss = 2 * LANES * 4  # accumulators of one row x a 4-token tile
   n4 = n - n % 4
   for t in range(0, n4, 4):
     st[:nr * ss] = 0.0
     for j0 in range(0, kq, _K_BLOCK):
       j1 = min(kq, j0 + _K_BLOCK)
       for i in range(0, nr - 1, 2):
-        cpu._dot2x4(wbuf, i * kq, (i + 1) * kq, xb, t * kq, kq, j0, j1, st, i * ss, ss)
+        cpu_rows.dot2x4(wbuf, i * kq, (i + 1) * kq, xb, t * kq, kq, j0, j1, st, i * ss, ss)
       if nr % 2:
         for tt in range(4):
-          cpu._dot1(wbuf, (nr - 1) * kq, xb, (t + tt) * kq, j0, j1, st,
-                    (nr - 1) * ss + tt * 2 * _LANES)
+          cpu_rows.dot1(wbuf, (nr - 1) * kq, xb, (t + tt) * kq, j0, j1, st,
+                    (nr - 1) * ss + tt * 2 * LANES)
     for tt in range(4):
       for i in range(nr):
-        yb[(t + tt) * o + r_lo + i] = cpu._finish(st, i * ss + tt * 2 * _LANES)
+        yb[(t + tt) * o + r_lo + i] = cpu_rows.finish(st, i * ss + tt * 2 * LANES)
   for t in range(n4, n):
     for i in range(nr):
-      st[:2 * _LANES] = 0.0
-      cpu._dot1(wbuf, i * kq, xb, t * kq, 0, kq, st, 0)
-      yb[t * o + r_lo + i] = cpu._finish(st, 0)
+      st[:2 * LANES] = 0.0
+      cpu_rows.dot1(wbuf, i * kq, xb, t * kq, 0, kq, st, 0)
+      yb[t * o + r_lo + i] = cpu_rows.finish(st, 0)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_rows(xb, n, kq, w, i_dim, o, blk, nblk, step, yb):
   """Row blocks blk, blk + step, ... < nblk of a bf16 matmul (one thread's share)."""
   wbuf = np.empty(_ROW_BLOCK * kq, np.float32)
-  st = np.empty(_ROW_BLOCK * 2 * _LANES * 4, np.float32)
+  st = np.empty(_ROW_BLOCK * 2 * LANES * 4, np.float32)
   while blk < nblk:
     r_lo = blk * _ROW_BLOCK
     nr = min(_ROW_BLOCK, o - r_lo)
@@ -178,7 +179,7 @@ def _bf16_rows(xb, n, kq, w, i_dim, o, blk, nblk, step, yb):
     blk += step
 
 
-@njit(parallel=True, **cpu._JIT)
+@njit(parallel=True, **JIT)
 def _bf16_matmul(xb, n, kq, w, i_dim, o, nthreads, yb):
   """yb[t, r] = W[r] . xb[t] for a bf16 W [o, i_dim] (xb, yb flat, row strides kq, o)."""
   if n == 1 and i_dim == kq:  # decode: rows streamed once, dotted in registers
@@ -199,7 +200,7 @@ def _bf16_matmul(xb, n, kq, w, i_dim, o, nthreads, yb):
       _bf16_rows(xb, n, kq, w, i_dim, o, np.int64(p), nblk, nth, yb)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
   """out[t, o] = x[t, i_dim] @ Wᵀ. bits 4/8: W = (pk codes, sc scales), group g; bits BF16:
   W = w16 (bf16 bits [o, i_dim]). Parallel (nthreads) when W has >= min_par weights."""
@@ -207,7 +208,7 @@ def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
     kp = i_dim
   else:
     kp = (i_dim + g - 1) // g * g
-  kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
+  kq = (kp + 2 * LANES - 1) // (2 * LANES) * (2 * LANES)
   th = nthreads if o * kq >= min_par else 1
   xb = np.zeros(t * kq, np.float32)
   for r in range(t):
@@ -221,11 +222,11 @@ def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
   else:
     ng = kp // g
     kb = kp // 2 if bits == 4 else kp
-    vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
-    cpu._qmatmul(xb, t, kq, pk, sc, 0, o, kb, ng, g, bits, vec_ok, th, yb)
+    vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
+    cpu_rows.qmatmul(xb, t, kq, pk, sc, 0, o, kb, ng, g, bits, vec_ok, th, yb)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _bf16_head_values(xb, t, kq, w16, row0, v_dim, c_dim, yb):
   """yb[r * V + v] = W[row0 + v] . xb[r * kq:] for a bf16 W with rows of C: the bf16 matmul's
   own loops on the head's V rows (so each row's bits do not depend on T)."""
@@ -236,7 +237,7 @@ def _bf16_head_values(xb, t, kq, w16, row0, v_dim, c_dim, yb):
     _bf16_rows(xb, t, kq, w, c_dim, v_dim, 0, (v_dim + _ROW_BLOCK - 1) // _ROW_BLOCK, 1, yb)
 
 
-@njit(**cpu._JIT)
+@njit(**JIT)
 def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out):
   """heads_core for head hh (see there)."""
   r0 = hh * (n_dim + v_dim)
@@ -249,7 +250,7 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
     if bits == BF16:
       _bf16_head_values(xb, t, kq, w16, r0 + n_dim, v_dim, c_dim, yb)
     else:
-      cpu.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
+      cpu_rows.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
     for r in range(t):
       for v in range(v_dim):
         out[r, hh * v_dim + v] = yb[r * v_dim + v]
@@ -261,7 +262,7 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
       if bits == BF16:
         _bf16_decode_rows(w16, c_dim, row, 1, kq, wbuf)
       else:
-        cpu._decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
+        cpu_rows.decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
       for r in range(t):
         q = x[r, hh * n_dim + nn]
         for j in range(c_dim):
@@ -271,7 +272,7 @@ def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, 
         out[r, hh * c_dim + j] = acc[r, j]
 
 
-@njit(parallel=True, **cpu._JIT)
+@njit(parallel=True, **JIT)
 def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, w16, sc, out):
   """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized in ``pk``/``sc``, or bf16
   bits in ``w16`` when ``bits`` is ``BF16``) applied per head without dequantizing it whole:
@@ -284,8 +285,8 @@ def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, w1
     kp = (c_dim + g - 1) // g * g
     ng = kp // g
     kb = kp // 2 if bits == 4 else kp
-    vec_ok = (g // 2 if bits == 4 else g) % _LANES == 0
-  kq = (kp + 2 * _LANES - 1) // (2 * _LANES) * (2 * _LANES)
+    vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
+  kq = (kp + 2 * LANES - 1) // (2 * LANES) * (2 * LANES)
   if nthreads <= 1:
     for hh in range(heads):
       _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out)
@@ -295,8 +296,8 @@ def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, w1
             sc, out)
 
 
-_NO_U8 = cpu._readonly(np.zeros(1, np.uint8))
-_NO_U16 = cpu._readonly(np.zeros(1, np.uint16))
+_NO_U8 = cpu_rows.readonly(np.zeros(1, np.uint8))
+_NO_U16 = cpu_rows.readonly(np.zeros(1, np.uint16))
 
 
 def _as_x(x, i_dim):
@@ -309,7 +310,7 @@ def _as_x(x, i_dim):
 def _run(x, o, i_dim, bits, g, pk, w16, sc):
   out = np.empty((x.shape[0], o), np.float32)
   dense_core(x.shape[0], o, i_dim, bits, g, numba.get_num_threads(),
-             int(cpu.PARALLEL_MIN_WEIGHTS), cpu._readonly(x), pk, w16, sc, out)
+             int(cpu_rows.PARALLEL_MIN_WEIGHTS), cpu_rows.readonly(x), pk, w16, sc, out)
   return out
 
 
@@ -327,7 +328,8 @@ def qmatmul(x, packed, scales, bits, group_size, in_features):
   """
   _check_quantized(packed, scales, bits, group_size, in_features)
   return _run(_as_x(x, in_features), np.shape(packed)[0], in_features, bits, group_size,
-              cpu._flat_packed(packed, "packed"), _NO_U16, cpu._flat_scales(scales, "scales"))
+              cpu_rows.flat_packed(packed, "packed"), _NO_U16,
+              cpu_rows.flat_scales(scales, "scales"))
 
 
 def _check_quantized(packed, scales, bits, group_size, in_features):
@@ -360,19 +362,19 @@ def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim,
     w = np.asarray(packed)
     if w.ndim != 2 or w.shape[1] != c_dim or w.dtype.name not in ("bfloat16", "uint16"):
       raise ValueError(f"w: expected bfloat16 [O, {c_dim}], got {w.dtype} {w.shape}")
-    pk, w16, sc, group_size = _NO_U8, cpu._flat_scales(w, "w"), _NO_U16, 0
+    pk, w16, sc, group_size = _NO_U8, cpu_rows.flat_scales(w, "w"), _NO_U16, 0
   else:
     _check_quantized(packed, scales, bits, group_size, c_dim)
-    pk, w16, sc = (cpu._flat_packed(packed, "packed"), _NO_U16,
-                   cpu._flat_scales(scales, "scales"))
+    pk, w16, sc = (cpu_rows.flat_packed(packed, "packed"), _NO_U16,
+                   cpu_rows.flat_scales(scales, "scales"))
   if o % heads or o // heads <= n_dim:
     raise ValueError(f"kv_b rows {o} are not heads ({heads}) x (N={n_dim} + V)")
   v_dim = o // heads - n_dim
   x = _as_x(x, heads * (n_dim if part == KEYS else c_dim))
   out = np.empty((x.shape[0], heads * (c_dim if part == KEYS else v_dim)), np.float32)
-  nthreads = numba.get_num_threads() if o * c_dim >= cpu.PARALLEL_MIN_WEIGHTS else 1
+  nthreads = numba.get_num_threads() if o * c_dim >= cpu_rows.PARALLEL_MIN_WEIGHTS else 1
   heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
-             cpu._readonly(x), pk, w16, sc, out)
+             cpu_rows.readonly(x), pk, w16, sc, out)
   return out
 
 
@@ -385,4 +387,4 @@ def bf16_matmul(x, w):
   if w.ndim != 2 or w.dtype.name not in ("bfloat16", "uint16"):
     raise ValueError(f"w: expected bfloat16 [O, I], got {w.dtype} {w.shape}")
   return _run(_as_x(x, w.shape[1]), w.shape[0], w.shape[1], BF16, 0, _NO_U8,
-              cpu._flat_scales(w, "w"), _NO_U16)
+              cpu_rows.flat_scales(w, "w"), _NO_U16)

@@ -1,4 +1,4 @@
-"""A streaming read with the CPU kernel's own 16-lane vector ops (``pallas_kernels.cpu``):
+"""A streaming read with the CPU kernels' own 16-lane vector ops (``pallas_kernels.cpu_vec``):
 the memory roof for a numba kernel that reads its weights once (scripts/bench_experts.py's
 DRAM row)."""
 
@@ -7,25 +7,22 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from pallas_kernels import cpu
-
-# pylint: disable-next=protected-access
-_vld, _vadd, _vzero, _vhsum = cpu._vld, cpu._vadd, cpu._vzero, cpu._vhsum
+from pallas_kernels.cpu_vec import vadd, vhsum, vld, vzero
 
 
 @numba.njit
 def _stream_part(a, lo, hi):
   # Four independent accumulators: the adds of one do not wait for another's.
-  s0 = _vzero()
-  s1 = _vzero()
-  s2 = _vzero()
-  s3 = _vzero()
+  s0 = vzero()
+  s1 = vzero()
+  s2 = vzero()
+  s3 = vzero()
   for j in range(lo, hi, 64):
-    s0 = _vadd(s0, _vld(a, j))
-    s1 = _vadd(s1, _vld(a, j + 16))
-    s2 = _vadd(s2, _vld(a, j + 32))
-    s3 = _vadd(s3, _vld(a, j + 48))
-  return _vhsum(_vadd(_vadd(s0, s1), _vadd(s2, s3)))
+    s0 = vadd(s0, vld(a, j))
+    s1 = vadd(s1, vld(a, j + 16))
+    s2 = vadd(s2, vld(a, j + 32))
+    s3 = vadd(s3, vld(a, j + 48))
+  return vhsum(vadd(vadd(s0, s1), vadd(s2, s3)))
 
 
 @numba.njit(parallel=True)

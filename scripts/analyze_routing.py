@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glmjax  # noqa: E402
+from glmjax import cli  # noqa: E402
 from glmjax.formats import corpus  # noqa: E402
 from glmjax.model.attention import attention  # noqa: E402
 from glmjax.model.layers import F32, rms_norm, swiglu  # noqa: E402
@@ -37,7 +38,7 @@ from glmjax.model.moe import route  # noqa: E402
 from glmjax.model.weights import MoE  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint directory; default: the embedded model.")
+cli.define_model_flag("an HF checkpoint directory; default: the embedded model")
 flags.DEFINE_string("out", None, "Write the JSON report here (also printed).")
 flags.DEFINE_integer("max_windows", 24, "Windows of context length to analyse at most.")
 flags.DEFINE_integer("window", 0, "Window length (default: max_position_embeddings).")

@@ -34,10 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 
+from glmjax import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
-flags.DEFINE_string("model", None, "Store or checkpoint (default: the embedded model).")
+cli.define_model_flag(cli.MODEL_KINDS)
+cli.define_load_flags(only=("prefill_chunk",))
 flags.DEFINE_list("contexts", ["2048", "8192", "32768", "131072"], "Context lengths.")
 flags.DEFINE_list("impls", ["sparse", "dense"], "Attention paths: sparse (DSA) and dense "
                   "(every key scored; the reference).")
@@ -88,7 +89,7 @@ def random_cache(model, pool, pages, context: int):
         jax.random.fold_in(key, 3 * i + j), a.shape, a.dtype)
     layers.append(type(lc)(fill(lc.latent, 0), fill(lc.k_rope, 1), fill(lc.index_k, 2)))
   pool.layers = layers
-  return pool.cache([pool.table(pages)], context, model.runner.put)
+  return pool.cache([pool.table(pages)], context, model.executor.put)
 
 
 def layer_timers(model, cache, context: int, impl: str):
@@ -135,14 +136,12 @@ def layer_timers(model, cache, context: int, impl: str):
 def measure(model, context: int, impl: str, peak: PeakRSS) -> dict:
   """One entry: decode ms per token and its split, at `context` with `impl`."""
   import jax
-  from glmjax.decoding.generation import Runner
   from glmjax.decoding.pages import KVPool
   peak.reset()
   layout = model.kv_layout()
   pool = KVPool(layout)
   pages = pool.alloc(layout.pages_for(context + FLAGS.steps + 1))
-  runner = Runner(model)
-  runner.impl = impl
+  runner = model.executor.with_attention(impl)
   entry = dict(context=context, attention=impl, fill=FLAGS.fill,
                kv_bytes_per_token=layout.page_bytes() / layout.page_size)
   if FLAGS.fill == "prefill":
@@ -196,14 +195,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  from glmjax import reporting
+  from glmjax.bench import reporting
   try:
     contexts = sorted(int(c) for c in FLAGS.contexts)
   except ValueError:
     print("error: --contexts takes integers", file=sys.stderr)
     return 1
   peak = PeakRSS()
-  with glmjax.load(FLAGS.model, progress=False, prefill_chunk=FLAGS.prefill_chunk,
+  with glmjax.load(FLAGS.model, **cli.load_options(), progress=False,
                    max_context=max(contexts) + FLAGS.steps + 1) as model:
     entries = []
     for c in contexts:

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-from glmjax.reporting import write_report
+from glmjax.bench.reporting import write_report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("hidden", 512, "Model width D.")

@@ -34,18 +34,17 @@ import time
 from absl import app, flags, logging
 import numpy as np
 
+from glmjax import cli
+
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
-flags.DEFINE_string("model", None, "Expert store; default: the embedded model, converted.")
+cli.define_model_flag(cli.STORE_KINDS)
 flags.DEFINE_string("prompt", "def fibonacci(n):", "Prompt text (ids 5..12 without a tokenizer).")
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per request.", lower_bound=1)
-flags.DEFINE_bool("cold", True, "Drop the store from the OS page cache before measured runs.")
-flags.DEFINE_float("device_cache_gb", 0.0, "Device expert pool budget of the measured run.")
-flags.DEFINE_float("host_cache_gb", 0.4, "Host expert cache budget of the measured run.")
-flags.DEFINE_integer("io_workers", 4, "Expert read threads (also the disk test's concurrency).",
-                     lower_bound=1)
-flags.DEFINE_bool("prefetch", True, "Prefetch predicted experts in the measured run.")
+cli.define_load_flags(
+    only=("prefill_chunk", "cold", "device_cache_gb", "host_cache_gb", "io_workers", "prefetch"),
+    defaults={"cold": True, "device_cache_gb": 0.0, "host_cache_gb": 0.4},
+    notes={"cold": "Here: before each measured run.", "io_workers": "Also the disk test's.",
+           "device_cache_gb": "Of the measured run.", "host_cache_gb": "Of the measured run."})
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
 flags.DEFINE_string("png", None, "Stacked-bar PNG of the stages (default: next to --json).")
 
@@ -126,7 +125,7 @@ def main(argv):
   from glmjax.offload.expert_io import drop_page_cache
   from glmjax.replay import Trace
   from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
-  from glmjax.reporting import bench_store, disk_read_gbs, store_geometry, write_report
+  from glmjax.bench.reporting import bench_store, disk_read_gbs, store_geometry, write_report
   path = bench_store(FLAGS.model, "bench_decode.")
   if not os.path.exists(os.path.join(path, "manifest.json")):
     raise app.UsageError(f"--model {path}: not an expert store (no manifest.json)")
@@ -169,7 +168,7 @@ def main(argv):
     t0 = time.perf_counter()
     r = model.generate(prompt, FLAGS.max_new_tokens, stop_ids=[], trace=trace_dir)
     measured_s = time.perf_counter() - t0 - r.stats.get("fused_compile_s", 0.0)
-    tiers = model.engine.tier_state()
+    tiers = model.executor.tier_state()
     model.close()
     del model
     gc.collect()
@@ -183,11 +182,11 @@ def main(argv):
 
     # 5. where the time goes: the same request, cold, every stage timed
     model = fresh()
-    model.engine.stage_s = {}
+    timed_stages = model.executor.stage_timing()
     t0 = time.perf_counter()
     timed = model.generate(prompt, FLAGS.max_new_tokens, stop_ids=[])
     staged_wall = time.perf_counter() - t0
-    stages = dict(model.engine.stage_s)
+    stages = dict(timed_stages)
     _split_route(model, stages, n_steps=len(timed.tokens))
     stages["sampling"] = _sampling_s(model, len(timed.tokens))
     model.close()

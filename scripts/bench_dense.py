@@ -118,7 +118,6 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
   """{format: {tok_s (median), runs, dense_gb}} on synthetic GLM-5 stores (1 dense + 1 MoE)."""
   import glmjax
   from glmjax.formats.synthetic import make_synthetic_store
-  from glmjax.model import weights
   # (row, dense_bits, first layer's bits (None: the recipe's), group size, load dtype). The
   # last two rows set the first layer apart from the recipe: on a store whose first (dense) layer
   # holds over half its dense bytes (GLM-5: 2.1%).
@@ -141,13 +140,12 @@ def decode_rows(work, vocab_size, experts, max_new_tokens, runs):
       if (b, f, g) != store_key:
         continue
       with glmjax.load(path, dtype=dtype, kv_dtype="float32", progress=False) as m:
-        dense = m.engine.dense if m.engine is not None else m.weights
         m.generate("def fibonacci(n):", 2, stop_ids=[])  # compile
         tok_s = [m.generate("def fibonacci(n):", max_new_tokens, stop_ids=[]).stats[
             "decode_tok_s"] for _ in range(runs)]
         out[fmt] = {"tok_s": round(statistics.median(tok_s), 3),
                     "runs": [round(t, 3) for t in tok_s],
-                    "dense_gb": round(weights.nbytes(dense) / 1e9, 3)}
+                    "dense_gb": round(m.executor.dense_bytes / 1e9, 3)}
       print(f"  decode {fmt:>22}: {out[fmt]['tok_s']:.2f} tok/s {out[fmt]['runs']}", flush=True)
     shutil.rmtree(path)
   return out

@@ -34,10 +34,12 @@ from absl import app, flags, logging
 import numpy as np
 
 import glmjax
+from glmjax import cli
 from glmjax.formats.synthetic import make_synthetic_store
 from glmjax.replay import Trace, simulate
 from glmjax.replay.limit import capacity_experts, decode_limit
-from glmjax.reporting import disk_read_gbs, persistent_compile_cache, store_geometry, write_report
+from glmjax.bench.reporting import (disk_read_gbs, persistent_compile_cache, store_geometry,
+                                    write_report)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["8", "24", "77"], "MoE layer counts (depths) to measure.")
@@ -48,12 +50,11 @@ flags.DEFINE_enum("dense_bits", "4", ["0", "4", "8"], "Dense weights of the synt
 flags.DEFINE_string("stores", "/tmp/glmjax_depth", "Directory of the stores d{L}, made or reused.")
 flags.DEFINE_float("host_cache_gb_per_77_layers", 4.0, "Host cache GiB of 77 GLM-5 MoE layers: "
                    "L/77 of it at depth L, in experts per layer for other geometries.")
-flags.DEFINE_float("device_cache_gb", 0.0, "Device expert pool budget of the measured runs.")
 flags.DEFINE_integer("prompt_tokens", 4, "Prompt length (ids 5, 6, ...).", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 6, "Tokens generated (decode steps + 1).", lower_bound=2)
 flags.DEFINE_integer("warm_layers", 4, "Compute: warm runs at W/2 and W MoE layers.", lower_bound=2)
-flags.DEFINE_integer("io_workers", 4, "Expert read threads (and the disk probe's).", lower_bound=1)
-flags.DEFINE_bool("prefetch", True, "Prefetch predicted experts in the measured runs.")
+cli.define_load_flags(only=("device_cache_gb", "io_workers", "prefetch"),
+                      defaults={"device_cache_gb": 0.0}, notes={"io_workers": "Also the probe's."})
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
 flags.DEFINE_string("png", None, "PNG of the ratios against depth (default: next to --json).")
 flags.DEFINE_integer("one_depth", None, "(internal) measure this depth into --piece.")
@@ -81,7 +82,7 @@ def _watched(model, snap: dict, prefill, *args, **kw):
   """`model`'s prefill, leaving the engine's counters in `snap` as it returns."""
   out = prefill(*args, **kw)
   np.asarray(out[0])  # waits for the logits, as generation does before reading the counters
-  snap.update(model.engine.telemetry())
+  snap.update(model.executor.telemetry())
   return out
 
 
@@ -109,16 +110,15 @@ def _one_depth(layers: int) -> dict:
   path, work = _store(layers), os.path.splitext(FLAGS.piece)[0]  # traces beside the piece
   geo = store_geometry(path)
   host_gb = FLAGS.host_cache_gb_per_77_layers * layers / 77 * geo["chunk_bytes"] / GLM5_CHUNK
-  opts = dict(device_cache_gb=FLAGS.device_cache_gb, host_cache_gb=host_gb, cold=True,
-              progress=False, io_workers=FLAGS.io_workers, prefetch=FLAGS.prefetch)
+  opts = dict(cli.load_options(), host_cache_gb=host_gb, cold=True, progress=False)
   for name, first in (("warm", 105), ("trace", 5)):  # a warm-up on another prompt compiles
     _forget(path)
     model = glmjax.load(path, **opts)  # cold: the store leaves the page cache
-    snap, before = {}, model.engine.telemetry()
-    model.runner.prefill = functools.partial(_watched, model, snap, model.runner.prefill)
+    snap, before = {}, model.executor.telemetry()
+    model.executor.prefill = functools.partial(_watched, model, snap, model.executor.prefill)
     prompt = list(range(first, first + FLAGS.prompt_tokens))
     r = model.generate(prompt, FLAGS.max_new_tokens, stop_ids=[], trace=f"{work}.{name}")
-    tiers = model.engine.tier_state()
+    tiers = model.executor.tier_state()
     model.close()
     del model
     gc.collect()
@@ -144,9 +144,9 @@ def _compute(depths: list[int]) -> dict:
   for w in depths:
     _forget(_store(w))
     gb = store_geometry(_store(w))["expert_bytes_total"] * 1.1 / 2**30
-    model = glmjax.load(_store(w), device_cache_gb=0, host_cache_gb=gb, progress=False,
-                        io_workers=FLAGS.io_workers, prefetch=FLAGS.prefetch)
-    model.engine.warm_host()
+    model = glmjax.load(_store(w), **dict(cli.load_options(), device_cache_gb=0, host_cache_gb=gb,
+                                          progress=False))
+    model.executor.warm_host()
     runs = [model.generate(list(range(5, 5 + FLAGS.prompt_tokens)), FLAGS.max_new_tokens,
                            stop_ids=[], trace=f"{work}.{w}.{i}").stats for i in range(3)][1:]
     model.close()

@@ -38,9 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from glmjax import kernel_bench  # noqa: E402
-from glmjax.reporting import write_report  # noqa: E402
-from pallas_kernels import cpu, xla  # noqa: E402
+from glmjax.bench import kernels as kernel_bench  # noqa: E402
+from glmjax.bench.reporting import write_report  # noqa: E402
+from pallas_kernels import cpu, cpu_vec, xla  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "JSON output path (stdout only if empty).")
@@ -224,7 +224,7 @@ def main(argv):
       machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine(),
                    numba_threads=numba.get_num_threads(), numba_version=numba.__version__,
                    jax_version=jax.__version__, jax_backend=jax.default_backend(),
-                   avx512_int4_decode=bool(cpu._AVX512)),  # pylint: disable=protected-access
+                   avx512_int4_decode=bool(cpu_vec.AVX512)),
       shapes=dict(D=d, I=i, group_size=g, bits=4, experts=s, top_k=k),
       repeats=repeats)
   report["dram_read"] = kernel_bench.dram_read(FLAGS.dram_gib, lambda fn: _time(fn, repeats),

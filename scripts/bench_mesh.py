@@ -35,7 +35,7 @@ import tempfile
 
 from absl import app, flags, logging
 
-from glmjax import distributed
+from glmjax import cli, distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("devices", ["1", "2", "4"], "Device counts to measure.")
@@ -46,8 +46,10 @@ flags.DEFINE_alias("json", "out")
 flags.DEFINE_integer("child", 0, "Internal: measure in this process with this many devices.")
 flags.DEFINE_string("offload", None, "Expert store: compare 2 processes × 1 device with 1 process "
                     "on it instead of device counts (see the module docstring).")
-flags.DEFINE_float("host_cache_gb", 1.0, "--offload: host expert cache per process.")
-flags.DEFINE_float("device_cache_gb", 0.0, "--offload: device expert pool per process.")
+cli.define_load_flags(only=("host_cache_gb", "device_cache_gb"),
+                      defaults={"host_cache_gb": 1.0, "device_cache_gb": 0.0},
+                      notes={"host_cache_gb": "--offload: per process.",
+                             "device_cache_gb": "--offload: per process."})
 flags.DEFINE_bool("offload_child_run", False, "Internal: one process of an --offload side.")
 flags.DEFINE_string("child_out", None, "Internal: this --offload process's JSON record "
                     "(`{process}`: its index).")
@@ -79,15 +81,14 @@ def offload_child() -> int:
   try:
     distributed.initialize()
     with glmjax.load(FLAGS.offload, mesh=distributed.mesh_from_flags(), progress=False,
-                     host_cache_gb=FLAGS.host_cache_gb,
-                     device_cache_gb=FLAGS.device_cache_gb) as model:
+                     **cli.load_options()) as model:
       gen = lambda: model.generate(PROMPT, FLAGS.tokens, temperature=0.0, stop_ids=[])
       gen()
       runs = [gen() for _ in range(FLAGS.runs)]
-      eng = model.engine
-      rec = {"process": jax.process_index(), "owned_experts": int(eng.tiers.owned.sum()),
-             "host_budget_bytes": eng.host.budget, "host_used_bytes": eng.host.used,
-             "chunk_bytes": eng.chunk_bytes, "tokens": [int(t) for t in runs[0].tokens],
+      tiers = model.executor.tier_state()
+      rec = {"process": jax.process_index(), "owned_experts": tiers["owned_experts"],
+             "host_budget_bytes": tiers["host_bytes"], "host_used_bytes": tiers["host_used_bytes"],
+             "chunk_bytes": tiers["chunk_bytes"], "tokens": [int(t) for t in runs[0].tokens],
              "same_every_run": all(r.tokens == runs[0].tokens for r in runs),
              "runs": [{k: float(r.stats.get(k, 0.0)) for k in COUNTERS} for r in runs]}
   except glmjax.GlmjaxError as e:
@@ -193,7 +194,7 @@ def main(argv):
   if FLAGS.child:
     print("RESULT " + json.dumps(child(FLAGS.child)), flush=True)
     return 0
-  from glmjax.reporting import write_report
+  from glmjax.bench.reporting import write_report
   if FLAGS.offload:
     write_report(offload_main(), FLAGS.out)
     return 0

@@ -99,7 +99,7 @@ def measure(store: str, mode: str) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from glmjax.reporting import store_geometry, write_report
+  from glmjax.bench.reporting import store_geometry, write_report
   store = build(FLAGS.work_dir)
   rows = [measure(store, mode) for mode in FLAGS.modes]
   logits = [r.pop("logits") for r in rows]

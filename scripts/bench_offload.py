@@ -1,6 +1,6 @@
 """Offloaded decoding at several cache budgets, side by side in one run (JSON output).
 
-  python scripts/bench_offload.py --store=/nvme/glm5-int4 --tokens=64
+  python scripts/bench_offload.py --model=/nvme/glm5-int4 --tokens=64
   python scripts/bench_offload.py            # converts the embedded model to a temp store
 
 For each (device, host) budget, given as fractions of the store's expert bytes, a fresh engine
@@ -24,19 +24,18 @@ import time
 from absl import app, flags, logging
 import numpy as np
 
-from glmjax.reporting import bench_store, store_geometry, write_report
+from glmjax import cli
+from glmjax.bench.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
-flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
+cli.define_model_flag(cli.STORE_KINDS, store_alias=True)
 flags.DEFINE_string("prompt", "import os\nimport sys\n\ndef main(", "Prompt text.")
 flags.DEFINE_integer("tokens", 48, "Tokens generated per run.")
 flags.DEFINE_integer("repeats", 3, "Fresh runs per budget (median reported).")
 flags.DEFINE_list("budgets", ["0:0", "0:0.25", "0:0.5", "0.25:0", "0.25:0.5", "0:1", "1:0"],
                   "device:host fractions of the total expert bytes.")
-flags.DEFINE_bool("cold", True, "Drop the store's pages from the OS page cache before each run.")
-flags.DEFINE_integer("io_workers", 4, "Expert read threads.")
+cli.define_load_flags(only=("prefill_chunk", "cold", "io_workers"), defaults={"cold": True},
+                      notes={"cold": "Here: before each run."})
 flags.DEFINE_integer("score_tokens", 1024, "Tokens scored (teacher-forced) per budget; 0 = skip.")
 flags.DEFINE_string("out", None, "JSON output path (default: stdout).")
 
@@ -49,7 +48,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  path = bench_store(FLAGS.store, "bench_offload.")
+  path = bench_store(FLAGS.model, "bench_offload.")
   geo = store_geometry(path)
   total = geo["expert_bytes_total"]
   usage = os.path.join(path, "usage.json")
@@ -57,10 +56,9 @@ def main(argv):
   def run(dev_frac, host_frac):
     if os.path.exists(usage):
       os.remove(usage)  # no pins learned from earlier runs: each budget starts alike
-    model = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk,
+    model = glmjax.load(path, **cli.load_options(), progress=False,
                         device_cache_gb=dev_frac * total / 2**30,
-                        host_cache_gb=host_frac * total / 2**30, io_workers=FLAGS.io_workers,
-                        cold=FLAGS.cold)
+                        host_cache_gb=host_frac * total / 2**30)
     prompt = FLAGS.prompt if model.tokenizer is not None else [5, 6, 7, 8, 9, 10, 11, 12]
     r = model.generate(prompt, FLAGS.tokens, stop_ids=[])
     # Warm: the same request again, the tiers holding what the cold run left in them (with a

@@ -29,16 +29,14 @@ import urllib.parse
 
 from absl import app, flags, logging
 
-from glmjax.server_bench import PROMPTS, http_json, one_request, phase, prefix_phase, prefix_workload
+from glmjax import cli
+from glmjax.bench.server import PROMPTS, http_json, one_request, phase, prefix_phase, prefix_workload
 
 MAX_CLIENTS, MAX_REQUESTS = 64, 100  # the load is bounded whatever the flags say
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("url", None, "A running server (default: start one in-process).")
-flags.DEFINE_string("model", None, "HF checkpoint or expert store (in-process server); default: "
-                    "embedded.")
+cli.define_model_flag(cli.MODEL_KINDS + " (the in-process server's)")
 flags.DEFINE_integer("clients", 4, "Concurrent clients.", lower_bound=1, upper_bound=MAX_CLIENTS)
 flags.DEFINE_integer("requests", 4, "Requests per client, one after another.", lower_bound=1,
                      upper_bound=MAX_REQUESTS)
@@ -46,12 +44,9 @@ flags.DEFINE_integer("max_tokens", 32, "max_tokens of each request.", lower_boun
 flags.DEFINE_bool("sequential", True, "Also run every request from one client first (baseline).")
 flags.DEFINE_integer("max_batch", 4, "In-process server: decode batch width.", lower_bound=1)
 flags.DEFINE_integer("max_queue", 64, "In-process server: queue bound.", lower_bound=0)
-flags.DEFINE_integer("max_context", 256, "In-process server: context (batch cache length).",
-                     lower_bound=16)
-flags.DEFINE_float("device_cache_gb", None, "In-process server: device expert budget (store).")
-flags.DEFINE_float("host_cache_gb", None, "In-process server: host expert budget (store).")
-flags.DEFINE_bool("prefetch", None, "In-process server: prefetch predicted experts (store; "
-                  "default on).")
+cli.define_load_flags(  # the in-process server's model
+    only=("prefill_chunk", "max_context", "device_cache_gb", "host_cache_gb", "prefetch"),
+    defaults={"max_context": 256}, notes={"max_context": "Here: the batch's cache length."})
 flags.DEFINE_string("json", None, "Also write the JSON report here.")
 flags.DEFINE_enum("workload", "stream", ["stream", "prefix"], "stream: the clients' streaming "
                   "completions; prefix: 8 contexts of 768 tokens × 4 continuations (token-id "
@@ -64,10 +59,8 @@ def _start_server(prefix_cache: bool = True, max_context: int | None = None):
   import uvicorn
   import glmjax
   from glmjax.serving.app import create_app
-  opts = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb", "prefetch")
-          if getattr(FLAGS, k) is not None}
-  model = glmjax.load(FLAGS.model, progress=False, prefill_chunk=FLAGS.prefill_chunk,
-                      max_context=max_context or FLAGS.max_context, **opts)
+  model = glmjax.load(FLAGS.model, **dict(cli.load_options(), progress=False,
+                                           max_context=max_context or FLAGS.max_context))
   server_app = create_app(model, FLAGS.max_batch, FLAGS.max_queue, prefix_cache=prefix_cache)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

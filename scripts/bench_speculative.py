@@ -20,12 +20,12 @@ import statistics
 
 from absl import app, flags, logging
 
-from glmjax.reporting import bench_store, store_geometry, write_report
+from glmjax import cli
+from glmjax.bench.reporting import bench_store, store_geometry, write_report
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
-flags.DEFINE_string("store", None, "Expert store; default: the embedded model, converted.")
+cli.define_model_flag(cli.STORE_KINDS, store_alias=True)
+cli.define_load_flags(only=("prefill_chunk",))
 flags.DEFINE_integer("tokens", 64, "Tokens generated per run.")
 flags.DEFINE_list("host_fracs", ["0.25", "1.0"], "Host cache budgets, fractions of expert bytes.")
 flags.DEFINE_list("drafts", ["0", "2", "auto"], "Draft settings.")
@@ -41,14 +41,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  path = bench_store(FLAGS.store, "bench_spec.")
+  path = bench_store(FLAGS.model, "bench_spec.")
   total = store_geometry(path)["expert_bytes_total"]
 
   def one(host_frac, draft, prompt):
     for f in ("usage.json", "couple.npy"):
       if os.path.exists(os.path.join(path, f)):
         os.remove(os.path.join(path, f))
-    model = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk, device_cache_gb=0,
+    model = glmjax.load(path, **cli.load_options(), progress=False, device_cache_gb=0,
                         host_cache_gb=host_frac * total / 2**30)
     text = prompt if model.tokenizer is not None else [5, 6, 7, 8, 9]
     return model.generate(text, FLAGS.tokens, stop_ids=[], draft=draft)

@@ -30,10 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-from glmjax.side_by_side import TokenClock, agreement, measure  # noqa: E402
+from glmjax import cli  # noqa: E402
+from glmjax.bench.side_by_side import TokenClock, agreement, measure  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "", "HF glm_moe_dsa checkpoint directory; empty: the embedded model.")
+cli.define_model_flag("an HF glm_moe_dsa checkpoint directory (transformers loads it too); "
+                      "default: the embedded model")
 flags.DEFINE_integer("max_new_tokens", 32, "Greedy tokens per call on each side.", lower_bound=2)
 flags.DEFINE_string("prompt", "def parse(", "Prompt text (tokenized with the model's tokenizer).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids instead of --prompt (models without a "
@@ -183,7 +185,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from glmjax.errors import GlmjaxError
-  from glmjax.reporting import write_report
+  from glmjax.bench.reporting import write_report
   try:
     report = run()
   except GlmjaxError as e:

@@ -19,7 +19,7 @@ layer's statistics are taken with the MoE layers before it already quantized by 
 --expert_bits and --group_size (the converter's defaults, 4 and 64), as `convert.py
 --quant=gptq` will quantize them: one pass over the corpus per MoE layer (GPTQ's own
 sequential mode; on the embedded model lower KL than one pass on four 64k samples of five,
-mean -3.6%, but not at 16k tokens: BUILD_NOTES §21).
+mean -3.6%, but not at 16k tokens: DESIGN.md §24).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
+from glmjax import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint or expert store; default: the embedded model.")
+cli.define_model_flag(cli.MODEL_KINDS)
 flags.DEFINE_string("out", None, "Statistics directory to write (must not exist).", required=True)
 flags.DEFINE_string("corpus", None, "A directory of text files, a text file or a JSONL file "
                     "(\"text\" field); default: the embedded corpus's training split.")
@@ -56,7 +58,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import glmjax
   from glmjax.formats import calibration, corpus, store
-  from glmjax.replay.calibration import calibrate
+  from glmjax.formats.calibrate import calibrate
   t0 = time.perf_counter()
   try:
     if os.path.lexists(FLAGS.out):

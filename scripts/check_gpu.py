@@ -48,7 +48,7 @@ RTOL = 1e-5  # as in tests/test_kernels.py: f32 accumulation vs a float64 refere
 def kernel_checks() -> list[dict]:
   import numpy as np
   sys.path.insert(0, os.path.join(ROOT, "tests"))
-  import pallas_kernels
+  from pallas_kernels import ops
   from pallas_kernels import tuning
   from test_kernels import _loop_reference, _make_problem  # the suite's own reference
   configs = {
@@ -64,7 +64,7 @@ def kernel_checks() -> list[dict]:
       try:
         x, pool, ids, w = _make_problem(r, r, 8, 12, 320, 192, 64, bits)
         ref = _loop_reference(x, pool, ids, w)
-        out = np.asarray(pallas_kernels.grouped_moe(x, pool, ids, w, backend="pallas",
+        out = np.asarray(ops.grouped_moe(x, pool, ids, w, backend="pallas",
                                                     config=config))
         err = float(np.abs(out - ref).max() / np.abs(ref).max())
         tol = RTOL * (3 if name == "dot-tf32x3" else 1)
@@ -115,7 +115,7 @@ def placement_checks(store: str | None = None) -> list[dict]:
   bitwise equal across budgets; host and auto within 1e-5 relative of device."""
   import numpy as np
   import glmjax
-  from glmjax.reporting import bench_store, store_geometry
+  from glmjax.bench.reporting import bench_store, store_geometry
   path = bench_store(store, "check_gpu.")
   total = store_geometry(path)["expert_bytes_total"]
   toks = np.random.default_rng(0).integers(3, 90, (1, 64)).astype(np.int32)

@@ -53,7 +53,7 @@ def mean_kl(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
 
 def quantized(w, bits: int):
   """The float matrix `w` as a `--dense_bits` store's QArray, in groups of 64 (the sweep's,
-  as BUILD_NOTES §22 reports it; the int8 recipe's group is 128)."""
+  as docs/measurements/quantization.md reports it; the int8 recipe's group is 128)."""
   import jax
   from glmjax.formats.quantize import quantize
   return jax.tree_util.tree_map(jax.device_put, quantize(np.asarray(w, np.float32), bits))
@@ -89,7 +89,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  from glmjax import reporting
+  from glmjax.bench import reporting
   from glmjax.formats import corpus, embedded
   from glmjax.formats.convert import convert
   from glmjax.model import forward

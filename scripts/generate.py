@@ -31,13 +31,13 @@ import sys
 from absl import app, flags, logging
 
 import glmjax
-from glmjax import distributed
-from glmjax.offload.owners import counter_layers, peers_named, sum_counters
+from glmjax import cli, distributed
+from glmjax.offload.owners import peers_named
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded. "
-                    "With several processes `{process}` in it becomes the process index (a "
-                    "store copy per process, holding at least the experts it owns).")
+cli.define_model_flag("an HF checkpoint or expert store directory; default: the embedded "
+                      "model. With several processes `{process}` in it becomes the process index "
+                      "(a store copy per process, holding at least the experts it owns)")
 flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids (instead of --prompt).")
 flags.DEFINE_string("prompt_file", None, "Read the prompt text from this file (long prompts).")
@@ -52,26 +52,6 @@ flags.DEFINE_float("min_p", None, "Keep tokens with p ≥ min_p·p_max (0 = off)
 flags.DEFINE_float("repetition_penalty", None, "Penalty on already-seen tokens (1 = off).")
 flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
-                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator; on a "
-                  "CPU bfloat16 for bfloat16 weights, else float32 (int8/int4 dense stores stay "
-                  "quantized).")
-flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
-                  "Quantized expert kernel: cpu (numba), pallas, xla; auto = cpu on a CPU-only "
-                  "machine, pallas on an accelerator.")
-flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
-                  "Where host-cached and missed experts are computed (store only): device "
-                  "(uploaded; bitwise identical across budgets), host (the CPU kernel where the "
-                  "bytes are), auto (per layer step, from measured costs).")
-flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most (default: the "
-                     "config's max_position_embeddings).", lower_bound=1)
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this are prefilled chunk by "
-                     "chunk (default 1024; 0 = one piece).", lower_bound=0)
-flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV cache dtype (auto: float32 on a CPU, else the dense dtype).")
-flags.DEFINE_enum("attention", "sparse", ["sparse", "dense"], "sparse: DSA attends to each "
-                  "query's selected keys only; dense: every key, the selection as a mask "
-                  "(the reference).")
 flags.DEFINE_string("trace", None, "Write a routing trace of this run to this directory "
                     "(glmjax.replay.Trace).")
 flags.DEFINE_string("json", None, "Write tokens, text, stats and mesh of the generation to this "
@@ -79,27 +59,8 @@ flags.DEFINE_string("json", None, "Write tokens, text, stats and mesh of the gen
 distributed.define_flags()
 flags.DEFINE_string("draft", "0", "MTP speculative decoding: 0 (off), drafts per step (1..16), "
                     "or 'auto' (chosen from live throughput).")
-# Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
-flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic, 0 = none).")
-flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic, 0 = none).")
-flags.DEFINE_integer("io_workers", None, "Expert read threads (default 4).", lower_bound=1)
-flags.DEFINE_float("io_timeout_s", None, "A read not done by then fails, naming layer and expert "
-                   "(default 60).")
-flags.DEFINE_bool("cold", None, "Drop the store from the OS page cache first.")
-flags.DEFINE_bool("prefetch", None, "Prefetch predicted experts (default on).")
-flags.DEFINE_integer("pilot_k", None, "Experts per position the pilot predicts for the next layer "
-                     "(default 6; 0 = off).", lower_bound=0)
-flags.DEFINE_integer("couple_k", None, "Experts the co-activation table predicts for the next "
-                     "layer (default 4; 0 = off).", lower_bound=0)
-flags.DEFINE_bool("cache_route", None, "Lossy: route toward resident experts (default off).")
-flags.DEFINE_integer("route_keep", None, "With --cache_route: true top experts always kept "
-                     "(default 2).", lower_bound=0)
-flags.DEFINE_integer("route_rank", None, "With --cache_route: resident experts are taken from the "
-                     "top route_rank (default 12).", lower_bound=0)
+cli.define_load_flags()  # every glmjax.load option (glmjax.options.Options)
 
-LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
-              "cold", "prefetch", "pilot_k", "couple_k", "cache_route", "route_keep", "route_rank",
-              "prefill_chunk")
 
 def parse_draft(text: str):
   if text == "auto":
@@ -193,9 +154,9 @@ def run(model) -> None:
     show = dict(on_text=lambda t: print(t, end="", flush=True))
   result = model.generate(prompt, FLAGS.max_new_tokens, draft=parse_draft(FLAGS.draft), **kw,
                           trace=FLAGS.trace, **show)
-  if model.engine is not None and distributed.process_count() > 1:
+  if model.executor.telemetry() is not None and distributed.process_count() > 1:
     # each process counted its own experts: process 0 reports the sums
-    result.stats = sum_counters(result.stats, counter_layers(model.engine))
+    result.stats = model.executor.sum_over_processes(result.stats)
   print("\n" + summary(result, model.memory))
   if FLAGS.trace:
     print(f"trace: {FLAGS.trace}")
@@ -210,7 +171,6 @@ def run(model) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing off the console
-  options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
   try:
     if FLAGS.prompt_ids is not None:
       parse_ids(FLAGS.prompt_ids)  # fail before loading anything
@@ -219,15 +179,12 @@ def main(argv):
     parse_draft(FLAGS.draft)
     if FLAGS.chat and FLAGS.json:
       raise glmjax.InputError("--json records one generation; it does not go with --chat")
-    if FLAGS.expert_compute != "device":
-      options["expert_compute"] = FLAGS.expert_compute
     distributed.initialize()
     if not distributed.is_main():  # every process computes; process 0 alone speaks
       sys.stdout = open(os.devnull, "w")
     with peers_named("generate"), glmjax.load(
-        distributed.per_process(FLAGS.model), mesh=distributed.mesh_from_flags(), dtype=FLAGS.dtype,
-        moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, attention=FLAGS.attention,
-        **options) as model:
+        distributed.per_process(FLAGS.model), mesh=distributed.mesh_from_flags(),
+        **cli.load_options()) as model:
       run(model)
   except glmjax.GlmjaxError as e:
     print(f"\nerror: {e}", file=sys.stderr)

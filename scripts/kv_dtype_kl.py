@@ -19,11 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 
+from glmjax import cli  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Checkpoint or store (default: the embedded model).")
+cli.define_model_flag(cli.MODEL_KINDS)
 flags.DEFINE_integer("tokens", 512, "Tokens scored per file.", lower_bound=2)
-flags.DEFINE_integer("prefill_chunk", 128, "Chunk of the cached scoring (smaller than --tokens, "
-                     "so later chunks read the cache).", lower_bound=1)
+cli.define_load_flags(only=("prefill_chunk",), defaults={"prefill_chunk": 128},
+                      notes={"prefill_chunk": "Here: smaller than --tokens, so later chunks read "
+                             "the cache."})
 flags.DEFINE_list("choices", ["float32:bfloat16", "float32:float8", "bfloat16:float32",
                                 "bfloat16:bfloat16", "bfloat16:float8"],
                   "kv_dtype:index_dtype pairs compared with float32:float32.")
@@ -41,15 +44,15 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  from glmjax import reporting
+  from glmjax.bench import reporting
   from glmjax.formats import corpus
   files = list(corpus.HELD_OUT[:FLAGS.files])
   texts = [corpus.read(f) for f in files]
   rows = []
 
   def scores(kv: str, index: str) -> list[np.ndarray]:
-    with glmjax.load(FLAGS.model, progress=False, kv_dtype=kv, index_dtype=index,
-                     prefill_chunk=FLAGS.prefill_chunk) as m:
+    with glmjax.load(FLAGS.model, **cli.load_options(), progress=False, kv_dtype=kv,
+                     index_dtype=index) as m:
       ids = [m.tokenizer.encode(t)[:FLAGS.tokens] for t in texts if t]
       return [log_softmax(m.score(np.asarray([i]))[0]) for i in ids], m.kv_layout()
 

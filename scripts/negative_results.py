@@ -6,7 +6,7 @@ one markdown table per study).
 
 Without --trace it records ~--tokens positions of the embedded model on its held-out corpus
 (scripts/replay.py, with the pilot kept for every expert so the softmax-mass filter sees all E
-scores). The studies and their registry live in glmjax/replay/studies.py (mass_filter,
+scores). The studies and their registry live in glmjax/studies/studies.py (mass_filter,
 pilot_k_sweep, freq_eviction on the trace; verify_cap, stage_breakdown live).
 
 Decode is modelled with per_token=True: each position is its own step, in trace order.
@@ -39,7 +39,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from glmjax.errors import GlmjaxError, InputError
-  from glmjax.replay.studies import STUDIES, Context, check_study_names, run_studies
+  from glmjax.studies.studies import STUDIES, Context, check_study_names, run_studies
   names = FLAGS.studies or list(STUDIES)
   try:
     check_study_names(names)

@@ -34,9 +34,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   import glmjax
-  from glmjax import reporting
+  from glmjax.bench import reporting
   from glmjax.formats import corpus
-  from glmjax.replay.quality import report
+  from glmjax.formats.quality import report
   try:
     if FLAGS.corpus is None:
       named = [(f, corpus.read(f)) for f in corpus.split()[1]]

@@ -28,8 +28,10 @@ import sys
 from absl import app, flags, logging
 import numpy as np
 
+from glmjax import cli
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint or expert store; default: the embedded model.")
+cli.define_model_flag(cli.MODEL_KINDS)
 flags.DEFINE_string("corpus", None, "A text file or a directory of them (recursively, sorted); "
                     "default: the embedded model's held-out stdlib files.")
 flags.DEFINE_integer("batch", 4, "Rows per forward pass.", lower_bound=1)
@@ -41,8 +43,7 @@ flags.DEFINE_integer("top_m", 64, "Selection scores kept per position and layer 
 flags.DEFINE_integer("pilot_p", 16, "Pilot predictions kept per position and layer (capped at E).",
                      lower_bound=1)
 flags.DEFINE_string("out", None, "Trace directory to write (must not exist).")
-flags.DEFINE_float("device_cache_gb", None, "Store only: device expert budget (None = automatic).")
-flags.DEFINE_float("host_cache_gb", None, "Store only: host expert cache budget (None = automatic).")
+cli.define_load_flags(only=("device_cache_gb", "host_cache_gb"))
 flags.mark_flag_as_required("out")
 
 
@@ -62,22 +63,21 @@ def main(argv):
   from glmjax.model.forward import RecordOptions
   from glmjax.replay import record
   from glmjax.formats import corpus
-  from glmjax.reporting import persistent_compile_cache
+  from glmjax.bench.reporting import persistent_compile_cache
   persistent_compile_cache()  # a second replay of the same shapes starts without compiling
   try:
     if os.path.lexists(FLAGS.out):
       raise glmjax.InputError(f"--out {FLAGS.out}: already exists; a trace is never written over "
                               "another")
     texts = corpus_texts(FLAGS.corpus)
-    budgets = {k: getattr(FLAGS, k) for k in ("device_cache_gb", "host_cache_gb")
-               if getattr(FLAGS, k) is not None}
-    with glmjax.load(FLAGS.model, progress=False, **budgets) as model:
+    with glmjax.load(FLAGS.model, **cli.load_options(), progress=False) as model:
       if model.tokenizer is None:
         raise glmjax.InputError(f"{model.path}: no tokenizer.json; a text corpus needs one")
       opts = RecordOptions(FLAGS.top_m, FLAGS.pilot_p)
       # The step compiles (over a second on a cold start) on a worker thread while this one
       # tokenizes the corpus and creates the trace: XLA compiles without holding the GIL.
-      warm = None if model.offloaded else concurrent.futures.ThreadPoolExecutor(1).submit(
+      pool = concurrent.futures.ThreadPoolExecutor(1)
+      warm = None if not model.executor.one_jit else pool.submit(
           model.record_routing, np.zeros((FLAGS.batch, FLAGS.seq), np.int32), opts, False)
       sequences, total = [], 0
       for _, t in texts:  # only as much of the corpus as the replay reads
@@ -86,8 +86,7 @@ def main(argv):
         sequences.append(np.asarray(model.tokenizer.encode(t), np.int32))
         total += len(sequences[-1])
       n = min(total, FLAGS.max_tokens) if FLAGS.max_tokens else total
-      eng = model.engine
-      meta = record.manifest(model.config, model.moe_layers, eng.chunk_bytes if eng else 0, opts,
+      meta = record.manifest(model.config, model.moe_layers, model.executor.expert_bytes, opts,
                              source="replay", batch=FLAGS.batch, seq=FLAGS.seq,
                              corpus=FLAGS.corpus or "held-out stdlib")
       e = model.config.n_routed_experts

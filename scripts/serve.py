@@ -27,11 +27,12 @@ import sys
 from absl import app, flags, logging
 
 import glmjax
-from glmjax import distributed
+from glmjax import cli, distributed
 
 FLAGS = flags.FLAGS
 distributed.define_flags()  # --mesh, and --coordinator etc. for several processes
-flags.DEFINE_string("model", None, "HF checkpoint or expert store directory; default: embedded.")
+cli.define_model_flag("an HF checkpoint or expert store directory; default: the embedded model "
+                      "(`{process}` in it: the process index, as in generate.py)")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port, printed).",
                      lower_bound=0, upper_bound=65535)
@@ -41,44 +42,17 @@ flags.DEFINE_integer("max_batch", 4, "Requests decoded together (the batch's fix
                      lower_bound=1)
 flags.DEFINE_integer("max_queue", 16, "Requests waiting for a batch row at most; more get 429.",
                      lower_bound=0)
-flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"],
-                  "Float dense weight dtype; auto: the weights' own dtype on an accelerator; on a "
-                  "CPU bfloat16 for bfloat16 weights, else float32 (int8/int4 dense stores stay "
-                  "quantized).")
-flags.DEFINE_enum("moe_kernel", "auto", ["auto", "cpu", "pallas", "xla"],
-                  "Quantized expert kernel: cpu (numba), pallas, xla; auto by platform.")
-flags.DEFINE_enum("expert_compute", "device", ["auto", "device", "host"],
-                  "Where host-cached and missed experts are computed (store only).")
-flags.DEFINE_integer("max_context", None, "Prompt + generated tokens at most per request "
-                     "(default: the config's max_position_embeddings).", lower_bound=1)
 flags.DEFINE_float("kv_cache_gb", None, "KV cache budget of the batch, shared by its rows' pages "
                    "(default: enough for --max_batch full contexts, at most a quarter of the "
                    "free memory). A request needing more than all of it gets a 400.")
-flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV cache dtype (auto: float32 on a CPU, else the dense dtype).")
-flags.DEFINE_integer("prefill_chunk", None, "Prompts longer than this prefill chunk by chunk "
-                     "(default 1024; 0 = one piece).", lower_bound=0)
 flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorization: Bearer or "
                     "X-Api-Key), comma-separated; default: the GLMJAX_API_KEY environment "
                     "variable, else none (open).")
 flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
-flags.DEFINE_bool("prefix_cache", True, "Reuse the KV pages of prompt prefixes already "
-                  "prefilled (full pages of 256 positions); --noprefix_cache turns it off.")
 flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
-# Offload options (expert stores only); unset ones take glmjax.options.Options' defaults.
-flags.DEFINE_float("device_cache_gb", None, "Device expert pool budget (None = automatic).")
-flags.DEFINE_float("host_cache_gb", None, "Host RAM expert cache budget (None = automatic).")
-flags.DEFINE_integer("io_workers", None, "Expert read threads (default 4).", lower_bound=1)
-flags.DEFINE_float("io_timeout_s", None, "A read not done by then fails (default 60).")
-flags.DEFINE_bool("cold", None, "Drop the store from the OS page cache first.")
-flags.DEFINE_bool("prefetch", None, "Prefetch predicted experts (default on).")
-flags.DEFINE_integer("pilot_k", None, "Experts per position the pilot predicts (default 6).",
-                     lower_bound=0)
-flags.DEFINE_integer("couple_k", None, "Experts the co-activation table predicts (default 4).",
-                     lower_bound=0)
-
-LOAD_FLAGS = ("max_context", "device_cache_gb", "host_cache_gb", "io_workers", "io_timeout_s",
-              "cold", "prefetch", "pilot_k", "couple_k", "prefill_chunk")
+# Every glmjax.load option; the server's prefix cache is on by default and goes to the batch.
+cli.define_load_flags(defaults={"prefix_cache": True},
+                      notes={"prefix_cache": "Here: the batch's requests share them."})
 
 
 def main(argv):
@@ -87,17 +61,14 @@ def main(argv):
   distributed.initialize()
   import uvicorn
   from glmjax.serving.app import create_app
-  options = {k: getattr(FLAGS, k) for k in LOAD_FLAGS if getattr(FLAGS, k) is not None}
-  if FLAGS.expert_compute != "device":
-    options["expert_compute"] = FLAGS.expert_compute
   from glmjax.serving.guard import Guard, api_keys, is_loopback
   try:
     keys = api_keys(FLAGS.api_key, FLAGS.api_key_file)
     guard = Guard(keys, loopback=is_loopback(FLAGS.host),
                   max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20))
     mesh = distributed.mesh_from_flags()
-    model = glmjax.load(distributed.per_process(FLAGS.model), mesh=mesh, dtype=FLAGS.dtype,
-                        moe_kernel=FLAGS.moe_kernel, kv_dtype=FLAGS.kv_dtype, **options)
+    model = glmjax.load(distributed.per_process(FLAGS.model), mesh=mesh,
+                        **cli.load_options(exclude=("prefix_cache",)))
     if not distributed.is_main():
       return follower(model)
     from glmjax.serving.follow import Channel

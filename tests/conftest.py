@@ -12,8 +12,7 @@ import pytest
 # environment): LLVM at level 1 in one piece instead of level 2 split for parallel codegen.
 # Compiling is ~80% of the suite's CPU time; this takes ~15% off compiling, ~9% off the CPU.
 # The executables compute the same bits as the default flags' (tests/test_suite_flags.py
-# checks it on the model's steps); level 0 does not (see BUILD_NOTES, "The suite's running
-# time").
+# checks it on the model's steps); level 0 does not (see DESIGN.md §28).
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_parallel_codegen_split_count=1"
 
 

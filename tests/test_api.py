@@ -49,7 +49,7 @@ def test_generate_greedy_is_deterministic_and_consistent(model):
 def test_compile_clock_counts_nested_events_once():
   """Nested compile events (an inner jit traced within an outer trace) overlap in time; the
   clock counts the union of their intervals, as a plain loop over the seconds would."""
-  from glmjax.decoding.generation import CompileClock
+  from glmjax.runtime.clock import CompileClock
   clock = CompileClock()
   clock._spans = [(0.0, 3.0), (1.0, 2.0), (2.5, 4.0), (5.0, 6.0), (5.5, 5.75)]
   covered = sum(1 for i in range(600) if any(a <= i / 100 < b for a, b in clock._spans))

@@ -11,7 +11,7 @@ import pytest
 from glmjax.errors import InputError
 from glmjax.replay import Trace
 from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
-from glmjax.reporting import disk_read_gbs, store_geometry
+from glmjax.bench.reporting import disk_read_gbs, store_geometry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,6 +5,7 @@ so a failure points at the block. Tolerances as in test_parity (float32, differe
 orders, ~1e-6 observed; 1e-4 relative allowed).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,7 +67,7 @@ def test_rope_interleaved(pair):
   assert rel_err(layers.rope_interleaved(jnp.asarray(k), c, s), want_k.numpy()) <= 1e-6
 
 
-@pytest.mark.parametrize("absorbed", [False, True])
+@pytest.mark.parametrize("absorbed", [False, True, None])  # None: the cheaper form
 @pytest.mark.parametrize("layer", [0, 1])  # a full-indexer layer and a shared one
 def test_mla_attention(pair, absorbed, layer):
   ref, model = pair
@@ -85,6 +86,33 @@ def test_mla_attention(pair, absorbed, layer):
   got, _, _ = attention.attention(model.weights.layers[layer].attn, jnp.asarray(x), pos, cfg,
                                   selection=sel, absorbed=absorbed)
   assert rel_err(got, want.numpy()) <= TOL
+
+
+@pytest.mark.parametrize("queries,slots", [(1, 512), (4, 512), (16, 16), (64, 64), (64, 4096)])
+def test_the_attention_form_picked_is_the_one_xla_counts_cheaper(pair, queries, slots):
+  """`absorbing_pays` against XLA's own flop count of both dense forms, compiled at these
+  shapes (a float kv_b, so both forms are plain einsums XLA can count)."""
+  cfg = pair[1].config
+  h, n, r, c, v = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                   cfg.kv_lora_rank, cfg.v_head_dim)
+  page = 16
+  pools = [jnp.zeros((slots // page + 1, page, w), jnp.float32) for w in (c, r)]
+  pages = jnp.arange(1, slots // page + 1, dtype=jnp.int32)[None]
+  kv_b = jnp.asarray(_x(5, h * (n + v), c))
+  q_nope, q_rope = jnp.asarray(_x(6, 1, queries, h, n)), jnp.asarray(_x(7, 1, queries, h, r))
+  mask = jnp.ones((1, queries, slots), bool)
+
+  def flops(absorbed):
+    def run(latent, k_rope, pages, kv_b, q_nope, q_rope, mask):
+      view = attention.KeyView(latent, k_rope, None, pages)
+      score, lat = attention.dense_scores(view, q_nope, q_rope, attention.KvB(kv_b, h, n), 1.0,
+                                          absorbed)
+      return attention.dense_output(score, mask, lat, attention.KvB(kv_b, h, n), absorbed)
+    args = (*pools, pages, kv_b, q_nope, q_rope, mask)
+    return jax.jit(run).lower(*args).compile().cost_analysis()["flops"]
+
+  cheaper = flops(True) <= flops(False)
+  assert attention.absorbing_pays(queries, slots, cfg) == cheaper
 
 
 def test_indexer_selection(pair):

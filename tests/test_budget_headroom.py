@@ -193,7 +193,7 @@ def test_explicit_budgets_that_cannot_fit_are_refused(machine):
 
 # Loads a store with default budgets, generates, and prints its peak RSS and the plan. The
 # peak is VmHWM, this process image's own high-water mark: ru_maxrss survives exec on Linux,
-# so a child of a large pytest worker would report the worker's peak (BUILD_NOTES §11).
+# so a child of a large pytest worker would report the worker's peak (DESIGN.md §9).
 _PEAK_SCRIPT = """
 import json, resource, sys
 import glmjax

@@ -19,8 +19,8 @@ from glmjax.formats import calibration, convert as convert_mod
 from glmjax.formats.convert import convert
 from glmjax.model import forward
 from glmjax.model.quant import ExpertPool, dequantize
-from glmjax.replay import quality
-from glmjax.replay.calibration import Accumulator, collect, stats_fn
+from glmjax.formats import quality
+from glmjax.formats.calibrate import Accumulator, collect, stats_fn
 from hf_reference import make_hf
 
 CFG = dict(n_routed_experts=8, num_experts_per_tok=2, hidden_size=64, moe_intermediate_size=32,

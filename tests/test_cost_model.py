@@ -6,7 +6,7 @@ import math
 import pytest
 
 from glmjax.errors import InputError
-from glmjax.replay.cost_model import Geometry, Hardware, Hits, calibrate, predict
+from glmjax.studies.cost_model import Geometry, Hardware, Hits, calibrate, predict
 
 GEO = Geometry(moe_layers=2, experts=16, top_k=6, expert_bytes=1e6, dense_s_per_token=0.01)
 HW = Hardware(disk_gbs=1.0, h2d_gbs=4.0, cpu_kernel_gbs=2.0, device_kernel_gbs=10.0,
@@ -119,7 +119,7 @@ def test_bad_input(make, name):
 def test_published_figures_carry_their_sources():
   """Every figure of the GLM-5.2 prediction comes from the package's data file with a source
   that names a public document, not a path outside the repository."""
-  from glmjax.replay.glm52 import glm52_prediction, published_figures
+  from glmjax.studies.glm52 import glm52_prediction, published_figures
   figures = published_figures()
   assert {"moe_layers", "experts", "top_k", "expert_bytes", "disk_gbs", "measured_tok_s",
           "cross_row"} <= set(figures)

@@ -1,5 +1,6 @@
-"""pallas_kernels.cpu_ffi's safety net: the custom call checks itself against the direct kernel
-at first use and falls back to jax.pure_callback, with a warning, when the check fails."""
+"""The custom calls' safety net (pallas_kernels.ffi_common.CheckedCall, for cpu_ffi and
+cpu_dense_ffi): a custom call checks itself against the direct kernel at first use and falls back
+to jax.pure_callback, with a warning, when the check fails."""
 
 import warnings
 
@@ -10,7 +11,8 @@ import pytest
 
 from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
-from pallas_kernels import cpu, cpu_ffi
+from glmjax.formats.quantize import quantize
+from pallas_kernels import cpu, cpu_dense, cpu_dense_ffi, cpu_ffi, ffi_common
 
 
 def _problem(bits=4, group=64, seed=0):
@@ -29,6 +31,14 @@ def _problem(bits=4, group=64, seed=0):
   return x, leaves, ids, active, kw
 
 
+def _fresh_process(monkeypatch, call, layout=None):
+  """As in a fresh process (first use still ahead), with `layout` its handler's frame layout."""
+  monkeypatch.setattr(call, "choice", None)
+  monkeypatch.setattr(call, "target", None)
+  if layout is not None:
+    monkeypatch.setattr(call, "layout", layout)
+
+
 def _run_in_jit(x, leaves, ids, active, kw):
   fn = jax.jit(lambda x, ids, act: cpu_ffi.pool_terms_xla(
       x, *(jnp.asarray(a) for a in leaves), ids, act, **kw))
@@ -36,7 +46,7 @@ def _run_in_jit(x, leaves, ids, active, kw):
 
 
 def test_self_test_passes_with_the_checked_layout():
-  assert cpu_ffi.ffi_api_version() in cpu_ffi.TESTED_API_VERSIONS
+  assert ffi_common.ffi_api_version() in ffi_common.TESTED_API_VERSIONS
   assert cpu_ffi.self_test() is None
   assert cpu_ffi.backend() == "ffi"
   x, leaves, ids, active, kw = _problem()
@@ -44,7 +54,7 @@ def test_self_test_passes_with_the_checked_layout():
     warnings.simplefilter("error")  # no fallback warning on the checked path
     got, hlo = _run_in_jit(x, leaves, ids, active, kw)
   np.testing.assert_array_equal(got, cpu.pool_terms(x, *leaves, ids, active, **kw))
-  assert cpu_ffi.target_name(cpu_ffi.FRAME_LAYOUT) in hlo
+  assert cpu_ffi.CALL.target_name(ffi_common.FRAME_LAYOUT) in hlo
 
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
@@ -52,11 +62,9 @@ def test_a_wrong_frame_offset_falls_back_with_a_warning(monkeypatch, bits, group
   """As if a jaxlib release inserted a field before the call frame's arguments: the handler
   must not read through the shifted words, the self-test must see the mismatch, and every
   call must take the pure_callback path with the direct kernel's bits."""
-  wrong = cpu_ffi.FRAME_LAYOUT._replace(args=cpu_ffi.FRAME_LAYOUT.args + 1)
+  wrong = ffi_common.FRAME_LAYOUT._replace(args=ffi_common.FRAME_LAYOUT.args + 1)
   assert "differ from pallas_kernels.cpu.pool_terms" in cpu_ffi.self_test(wrong)
-  monkeypatch.setattr(cpu_ffi, "FRAME_LAYOUT", wrong)
-  monkeypatch.setattr(cpu_ffi, "_backend", None)  # a fresh process: first use still ahead
-  monkeypatch.setattr(cpu_ffi, "_ffi_target", None)
+  _fresh_process(monkeypatch, cpu_ffi.CALL, wrong)
   x, leaves, ids, active, kw = _problem(bits, group, seed=bits)
   with pytest.warns(RuntimeWarning, match="failed its self-test .*differ.*pure_callback"):
     got, hlo = _run_in_jit(x, leaves, ids, active, kw)
@@ -67,10 +75,9 @@ def test_a_wrong_frame_offset_falls_back_with_a_warning(monkeypatch, bits, group
 
 
 def test_an_unknown_api_version_or_an_error_falls_back(monkeypatch):
-  monkeypatch.setattr(cpu_ffi, "TESTED_API_VERSIONS", frozenset({(0, 999)}))
+  monkeypatch.setattr(ffi_common, "TESTED_API_VERSIONS", frozenset({(0, 999)}))
   assert "API version" in cpu_ffi.self_test()
-  monkeypatch.setattr(cpu_ffi, "_backend", None)
-  monkeypatch.setattr(cpu_ffi, "_ffi_target", None)
+  _fresh_process(monkeypatch, cpu_ffi.CALL)
   x, leaves, ids, active, kw = _problem(seed=3)
   with pytest.warns(RuntimeWarning, match="API version"):
     got, _ = _run_in_jit(x, leaves, ids, active, kw)
@@ -79,5 +86,34 @@ def test_an_unknown_api_version_or_an_error_falls_back(monkeypatch):
 
   def refuse(*args, **kwargs):
     raise RuntimeError("no handler for you")
-  monkeypatch.setattr(cpu_ffi, "_register", refuse)
+  monkeypatch.setattr(cpu_ffi.CALL, "register", refuse)
   assert cpu_ffi.self_test() == "RuntimeError: no handler for you"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_the_dense_call_falls_back_the_same_way(monkeypatch, fmt):
+  """cpu_dense_ffi shares the check and the fallback: a shifted frame is a mismatch, and every
+  call (matmul and kv_b heads) then takes jax.pure_callback with the direct kernels' bits."""
+  wrong = ffi_common.FRAME_LAYOUT._replace(args=ffi_common.FRAME_LAYOUT.args + 1)
+  assert "differ from pallas_kernels.cpu_dense" in cpu_dense_ffi.self_test(wrong)
+  _fresh_process(monkeypatch, cpu_dense_ffi.CALL, wrong)
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((3, 90)).astype(np.float32)
+  w = (rng.standard_normal((36, 90)) / 10).astype(np.float32)
+  if fmt == "bf16":
+    mat, scales, fmt_kw = w.astype(jnp.bfloat16), None, dict(bits=cpu_dense.BF16, group_size=0)
+    want = cpu_dense.bf16_matmul(x, mat)
+  else:
+    q = quantize(w, int(fmt[3:]), 32)
+    mat, scales, fmt_kw = q.packed, q.scales, dict(bits=q.bits, group_size=32)
+    want = cpu_dense.qmatmul(x, mat, scales, in_features=90, **fmt_kw)
+  fmt_kw["in_features"] = 90
+  with pytest.warns(RuntimeWarning, match="failed its self-test .*differ.*copies the weight"):
+    got = jax.jit(lambda a: cpu_dense_ffi.matmul_xla(a, mat, scales, **fmt_kw))(x)
+  assert cpu_dense_ffi.backend() == "callback"
+  np.testing.assert_array_equal(np.asarray(got), want)
+  xv = rng.standard_normal((3, 3 * 90)).astype(np.float32)  # 3 heads x (N = 5 + V = 7) rows
+  heads = dict(fmt_kw, heads=3, n_dim=5, part=cpu_dense.VALUES)
+  got = jax.jit(lambda a: cpu_dense_ffi.heads_xla(a, mat, scales, **heads))(xv)
+  np.testing.assert_array_equal(np.asarray(got),
+                                cpu_dense.heads_matmul(xv, mat, scales, **heads))

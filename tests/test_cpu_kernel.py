@@ -15,7 +15,7 @@ import pytest
 
 from glmjax.formats.quantize import quantize_expert
 from glmjax.model import quant
-from pallas_kernels import cpu
+from pallas_kernels import cpu, cpu_rows
 
 # (bits, group_size, hidden D, intermediate I): each selects a different code path.
 CASES = [
@@ -140,7 +140,7 @@ def test_pool_terms_matches_reference_and_zeroes_inactive(case):
 def split(request, monkeypatch):
   """Small matrices run on the calling thread unless the parallel threshold is lowered."""
   if request.param == "parallel":
-    monkeypatch.setattr(cpu, "PARALLEL_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(cpu_rows, "PARALLEL_MIN_WEIGHTS", 0)
   return request.param
 
 
@@ -171,7 +171,7 @@ def test_thread_count_does_not_change_bits(case, monkeypatch):
   serial = (cpu.expert_ffn(x[:1], *_args(pool, 0), **_kw(pool)),
             cpu.expert_ffn(x, *_args(pool, 0), **_kw(pool)),
             cpu.pool_terms(x, *_args(pool), ids, active, **_kw(pool)))
-  monkeypatch.setattr(cpu, "PARALLEL_MIN_WEIGHTS", 0)  # every matmul in a parallel region
+  monkeypatch.setattr(cpu_rows, "PARALLEL_MIN_WEIGHTS", 0)  # every matmul in a parallel region
   want = (cpu.expert_ffn(x[:1], *_args(pool, 0), **_kw(pool)),
           cpu.expert_ffn(x, *_args(pool, 0), **_kw(pool)),
           cpu.pool_terms(x, *_args(pool), ids, active, **_kw(pool)))
@@ -212,7 +212,7 @@ def test_pool_terms_jax_under_jit_is_bitwise_equal(with_active):
     active = None
   kw = _kw(pool)
   want = cpu.pool_terms(x, *_args(pool), ids, active, **kw)
-  compiled = len(cpu._moe.signatures)  # pylint: disable=protected-access
+  compiled = len(cpu.moe_core.signatures)
 
   @jax.jit
   def f(x, gp, gs, dp, ds, ids, act):
@@ -226,7 +226,7 @@ def test_pool_terms_jax_under_jit_is_bitwise_equal(with_active):
   np.testing.assert_array_equal(np.asarray(got), want)
   # Writable numpy and read-only jax buffers reach numba with the same types: no new compile.
   # (pallas_kernels.cpu_ffi's custom call adds one specialization of its own, for raw buffers.)
-  assert len(cpu._moe.signatures) == compiled  # pylint: disable=protected-access
+  assert len(cpu.moe_core.signatures) == compiled
 
 
 def test_bad_inputs_raise():

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from glmjax.formats.quantize import quantize
+from glmjax.model import kernels
 from glmjax.model.attention import KvB
 from glmjax.model.layers import linear
-from pallas_kernels import cpu, cpu_dense, cpu_dense_ffi
+from pallas_kernels import cpu_dense, cpu_dense_ffi, cpu_rows
 
 O_ROWS = 45  # not a multiple of a row block or a prange chunk
 I_FEATURES = 200  # not a multiple of the group (64), of 16 lanes or of 32
@@ -79,7 +80,7 @@ def as_float64(fmt, w):
 def parallel(request, monkeypatch):
   """Every matrix on numba's thread pool (threshold 0), or the default (small: serial)."""
   if request.param is not None:
-    monkeypatch.setattr(cpu, "PARALLEL_MIN_WEIGHTS", request.param)
+    monkeypatch.setattr(cpu_rows, "PARALLEL_MIN_WEIGHTS", request.param)
 
 
 @pytest.mark.parametrize("i_features", WIDTHS)
@@ -156,9 +157,8 @@ def test_bf16_prefill_rows_go_to_xlas_dot(weights):
   """A bfloat16 matrix on more than `BF16_KERNEL_MAX_ROWS` rows (a prefill chunk) is XLA's
   float32 dot of the upcast weight, bit for bit; at the bound it is still the kernel. Quantized
   matrices stay on the kernel at any row count."""
-  from glmjax.model import layers
   w = weights["bf16"]
-  n = layers.BF16_KERNEL_MAX_ROWS
+  n = kernels.BF16_KERNEL_MAX_ROWS
   rng = np.random.default_rng(11)
   for rows, kernel in ((n, True), (n + 1, False)):
     x = rng.standard_normal((1, rows, I_FEATURES)).astype(np.float32)
@@ -261,9 +261,8 @@ def test_absorbed_kv_b_on_cpu_uses_the_per_head_kernel(kv_b, fmt):
 
 def test_a_float32_kv_b_keeps_xlas_einsums():
   """A float32 kv_b is not sent to the per-head kernel (float models keep their bits)."""
-  from glmjax.model.layers import per_head_kernel
   w = jnp.zeros((HEADS * (N_NOPE + V_DIM), 200), jnp.float32)
-  assert not per_head_kernel(w) and per_head_kernel(w.astype(jnp.bfloat16))
+  assert not kernels.per_head_kernel(w) and kernels.per_head_kernel(w.astype(jnp.bfloat16))
 
 
 def test_bad_operands_are_refused(weights):

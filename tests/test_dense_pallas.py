@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from glmjax.formats.quantize import quantize
-from glmjax.model import layers
+from glmjax.model import kernels, layers
 from pallas_kernels import ops, tuning
 from test_dense_kernels import I_FEATURES, O_ROWS, dequantized, reference
 
@@ -89,7 +89,7 @@ def test_linear_off_the_cpu_platform_goes_to_dense_matmul(monkeypatch):
     calls.append(w.bits)
     return real(x, w, backend="pallas")
 
-  monkeypatch.setattr(layers, "host_kernels", lambda: False)
+  monkeypatch.setattr(kernels, "host_kernels", lambda: False)
   monkeypatch.setattr(ops, "dense_matmul", spy)
   q = matrix(4, 64)
   x = np.random.default_rng(3).standard_normal((1, 2, I_FEATURES)).astype(np.float32)

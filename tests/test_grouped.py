@@ -141,7 +141,7 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
   With the host tier warmed first, every expert is held, so each fused step returns before its
   bookkeeping, which the next call settles: counters, heat and pins equal the layer path's."""
   import os, shutil
-  from glmjax.reporting import store_geometry
+  from glmjax.bench.reporting import store_geometry
   total = store_geometry(embedded_store)["expert_bytes_total"]  # the main layers' experts
   runs = {}
   for mode in ("layers", "fused", "forced", "warm_layers", "warm_fused"):
@@ -210,7 +210,7 @@ def test_a_host_cache_that_holds_everything_is_filled(embedded_store, tmp_path):
   are then fused. A smaller host cache is never filled. Reads are waited for, never timed."""
   import concurrent.futures as cf
   import shutil
-  from glmjax.reporting import store_geometry
+  from glmjax.bench.reporting import store_geometry
   total = store_geometry(embedded_store)["expert_bytes_total"]
   for frac, filled in ((1.0, True), (0.5, False)):
     store = tmp_path / str(frac)
@@ -260,7 +260,7 @@ def test_short_cache_less_scores_are_bitwise_across_paths(embedded_store):
   paths (all resident, fused), where XLA specialised the softmax on the constant causal mask,
   and differed from the layer steps by up to 1.3e-5; 1 and 24+ tokens agreed. Every path now
   takes its start as a run-time value."""
-  from glmjax.reporting import store_geometry
+  from glmjax.bench.reporting import store_geometry
   total = store_geometry(embedded_store)["expert_bytes_total"]
   prompts = [[PROMPT17[:n], PROMPT17[:n][::-1]] for n in (2, 5, 9, 17)] + [[PROMPT17[:3]]]
   with glmjax.load(embedded_store, progress=False, device_cache_gb=2 * total / GB) as res:

@@ -1,4 +1,4 @@
-"""Tests for pallas_kernels.grouped_moe against a float64 numpy loop.
+"""Tests for pallas_kernels.ops.grouped_moe against a float64 numpy loop.
 
 Pallas kernels run in interpret mode here (CPU); the lowering tests check
 that the GPU (Triton) and TPU (Mosaic) paths still lower, without running
@@ -118,10 +118,10 @@ def test_matches_float64_loop(case):
   scale = np.abs(ref).max()
   assert scale > 0.1  # the problem is not trivially zero
   outs = {
-      "pallas": pallas_kernels.grouped_moe(
+      "pallas": ops.grouped_moe(
           x, pool, ids, w, backend="pallas", interpret=True, flavour=flavour,
           config=config),
-      "xla": pallas_kernels.grouped_moe(x, pool, ids, w, backend="xla"),
+      "xla": ops.grouped_moe(x, pool, ids, w, backend="xla"),
   }
   for name, out in outs.items():
     out = np.asarray(out)
@@ -148,17 +148,17 @@ def _permuted(pool, perm):
 ], ids=["prefetch-fma", "pointer-dot", "xla-more-pairs-than-slots", "xla-fewer"])
 def test_bitwise_invariant_to_slot_permutation(k, kwargs):
   x, pool, ids, w = _make_problem(11, 4, k, 10, 96, 64, 32, 4)
-  base = np.asarray(pallas_kernels.grouped_moe(x, pool, ids, w, **kwargs))
+  base = np.asarray(ops.grouped_moe(x, pool, ids, w, **kwargs))
   perm = np.random.default_rng(0).permutation(pool.num_slots)
   new_slot_of = np.argsort(perm)  # new pool[new_slot_of[e]] == old pool[e]
-  out = np.asarray(pallas_kernels.grouped_moe(
+  out = np.asarray(ops.grouped_moe(
       x, _permuted(pool, perm), new_slot_of[ids].astype(np.int32), w,
       **kwargs))
   np.testing.assert_array_equal(out, base)
   # A row's result does not depend on what the other rows selected.
   ids2 = ids.copy()
   ids2[1:] = (ids2[1:] + 3) % 8
-  out2 = np.asarray(pallas_kernels.grouped_moe(x, pool, ids2, w, **kwargs))
+  out2 = np.asarray(ops.grouped_moe(x, pool, ids2, w, **kwargs))
   np.testing.assert_array_equal(out2[0], base[0])
   assert not np.array_equal(out2[1:], base[1:])
 
@@ -182,13 +182,13 @@ def test_auto_backend_resolution_and_args_checked():
   assert ops.resolve_backend("xla", "gpu") == "xla"
   x, pool, ids, w = _make_problem(3, 2, 2, 4, 64, 32, 32, 4, unused=0)
   with pytest.raises(ValueError, match="x:"):
-    pallas_kernels.grouped_moe(x[:, :10], pool, ids, w)
+    ops.grouped_moe(x[:, :10], pool, ids, w)
   with pytest.raises(ValueError, match="weights:"):
-    pallas_kernels.grouped_moe(x, pool, ids, w[:, :1])
+    ops.grouped_moe(x, pool, ids, w[:, :1])
   with pytest.raises(ValueError, match="slot_ids:"):
-    pallas_kernels.grouped_moe(x, pool, ids[:1], w)
+    ops.grouped_moe(x, pool, ids[:1], w)
   with pytest.raises(ValueError, match="backend:"):
-    pallas_kernels.grouped_moe(x, pool, ids, w, backend="cuda")
+    ops.grouped_moe(x, pool, ids, w, backend="cuda")
 
 
 def test_combine_is_in_rank_order():
@@ -283,12 +283,30 @@ def test_tpu_lowering(mode):
   assert text.count("tpu_custom_call") == 2  # gate/up and down, each one Mosaic kernel
 
 
-def test_kernel_package_imports_nothing_from_glmjax():
-  """pallas_kernels stands alone (as megablox does beside MaxText's layers)."""
+def _run_python(code: str):
   import subprocess
   import sys
-  code = ("import sys, pallas_kernels, pallas_kernels.ops, pallas_kernels.xla, pallas_kernels.cpu, "
-          "pallas_kernels.cpu_ffi; bad = [m for m in sys.modules if m.split('.')[0] == 'glmjax']; "
-          "assert not bad, bad")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_kernel_package_imports_nothing_from_glmjax():
+  """pallas_kernels stands alone (as megablox does beside MaxText's layers)."""
+  modules = ", ".join(f"pallas_kernels.{m}" for m in (
+      "ops", "xla", "cpu_vec", "cpu_rows", "cpu", "cpu_dense", "ffi_common", "cpu_ffi",
+      "cpu_dense_ffi", "cpu_stream"))
+  _run_python(f"import sys, pallas_kernels, {modules}; "
+              "bad = [m for m in sys.modules if m.split('.')[0] == 'glmjax']; assert not bad, bad")
+
+
+def test_the_package_exports_resolve_and_load_numba_on_use():
+  """Every exported name is its module's own object; `import pallas_kernels` loads no numba
+  (models without CPU-kernel weights never pay for it) until a CPU kernel is asked for."""
+  for name in pallas_kernels.__all__:
+    owner = pallas_kernels._EXPORTS[name]  # pylint: disable=protected-access
+    assert getattr(pallas_kernels, name) is getattr(getattr(pallas_kernels, owner), name)
+  with pytest.raises(AttributeError):
+    pallas_kernels.not_a_kernel  # pylint: disable=pointless-statement
+  _run_python("import sys, pallas_kernels; assert 'numba' not in sys.modules; "
+              "pallas_kernels.dequantize; assert 'numba' not in sys.modules; "
+              "pallas_kernels.expert_ffn; assert 'numba' in sys.modules")

@@ -14,7 +14,7 @@ import tensorstore as ts
 import glmjax
 from glmjax.offload import rules, tiers
 from glmjax.replay import Trace, engine_model, simulate
-from glmjax.reporting import store_geometry
+from glmjax.bench.reporting import store_geometry
 
 GB = 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

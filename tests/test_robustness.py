@@ -1,7 +1,7 @@
 """Failures leave everything usable; nothing leaks; bad weights are refused at load.
 
 Each test here reproduces a defect found when the first slice was tried as a new user would
-(see BUILD_NOTES.md, "Defects fixed"): it failed on that code.
+(see DESIGN.md §27): it failed on that code.
 """
 
 import gc

@@ -288,7 +288,7 @@ def test_an_injected_fault_fails_its_request_only(server, monkeypatch):
   sched = server["app"].state.scheduler
   model, c = server["model"], server["client"]
   want = model.generate("for i in", 8).text
-  runner = sched.batch.runner
+  runner = sched.batch.executor
   real = runner.prefill
   bad = model.tokenizer.encode("x = ")
 
@@ -388,7 +388,7 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   shutil.copytree(embedded_store, store)
   model = glmjax.load(store, progress=False, max_context=64, device_cache_gb=0,
                       host_cache_gb=0.002)
-  assert model.offloaded
+  assert not model.executor.one_jit
   prompts = ["def ", "for i in", "import os\n", "x = "]
   want = [model.generate(p, 6).text for p in prompts]
   app = create_app(model, max_batch=4, max_queue=4)

@@ -12,7 +12,8 @@ import pytest
 
 import glmjax
 from glmjax.formats import checkpoint
-from glmjax.decoding import generation, speculative
+from glmjax.runtime.clock import CompileClock
+from glmjax.decoding import speculative
 from glmjax.model import weights
 from hf_reference import rel_err, tiny_config
 
@@ -56,7 +57,7 @@ def test_greedy_equivalence_random_mtp(random_mtp, draft):
 def test_speculative_rate_leaves_out_compilation(random_mtp):
   """Shapes first met mid-run compile inside the rounds; the rate excludes that time exactly
   as measured, and the clock does measure a compile that happens while it is open."""
-  with generation.CompileClock() as clock:
+  with CompileClock() as clock:
     jax.jit(lambda x: x * 3 + 1)(jnp.ones(7))  # a new function: traced and compiled here
   assert clock.seconds > 0
   model = glmjax.load(random_mtp, progress=False)

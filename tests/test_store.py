@@ -1,10 +1,11 @@
 """Expert store: conversion (fp32 and FP8 sources), loading, resumability, integrity, bad inputs.
 
 Quality: int4 group-64 experts on a tiny random model (weights std 0.05, hidden 64). Measured
-(BUILD_NOTES.md §8): KL/token 0.0038 and relative L2 0.22 (fp32 source), 0.0095 and 0.33 (FP8
-source, whose e4m3 rounding of every linear weight adds to int4's). The bounds sit at about 2×
-KL and 1.5× L2. The sharp check is `test_store_equals_fake_quant_reference`: the store's logits
-equal a float model whose experts were quantized and dequantized by an independent float64 loop.
+(docs/measurements/quantization.md): KL/token 0.0038 and relative L2 0.22 (fp32 source), 0.0095
+and 0.33 (FP8 source, whose e4m3 rounding of every linear weight adds to int4's). The bounds sit
+at about 2× KL and 1.5× L2. The sharp check is `test_store_equals_fake_quant_reference`: the
+store's logits equal a float model whose experts were quantized and dequantized by an
+independent float64 loop.
 """
 
 import json

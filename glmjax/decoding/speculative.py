@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.forward import bucket
+from glmjax.runtime.clock import CompileClock
 
 
 # --- draft length control --------------------------------------------------------------------
@@ -121,7 +122,7 @@ ABSORB_WINDOW = 8
 
 # --- the loop ------------------------------------------------------------------------------
 
-def run(runner, pool, table, cache, start: int, prefilled, req, draft, on_round=None):
+def run(executor, pool, table, cache, start: int, prefilled, req, draft, on_round=None):
   """Speculative generation after a prompt prefilled into `cache` (batch 1, page `table`
   `[W]` of `pool`, a glmjax.decoding.pages.KVPool) at positions start.. (the cache's length
   is now start + the prompt's length).
@@ -131,20 +132,18 @@ def run(runner, pool, table, cache, start: int, prefilled, req, draft, on_round=
   is an int k ≥ 1 or "auto". Returns (stats dict: decode_compile_s, draft_proposed,
   draft_accepted, tokens_per_forward, verify_forwards; the main cache; the MTP cache).
   """
-  from glmjax.decoding.generation import CompileClock
   with CompileClock() as clock:
-    return _run(runner, pool, table, cache, start, prefilled, req, draft, on_round, clock)
+    return _run(executor, pool, table, cache, start, prefilled, req, draft, on_round, clock)
 
 
-def _run(runner, pool, table, cache, start, prefilled, req, draft, on_round, clock):
+def _run(executor, pool, table, cache, start, prefilled, req, draft, on_round, clock):
   logits, hidden, prompt = prefilled
   n = len(prompt)
   picker, emit, max_new = req.picker, req.emit, req.max_new_tokens
-  engine = runner.engine if runner.offloaded else None
   tok = picker.pick(logits)
   pool.ensure_mtp()
-  mcache = pool.cache([table], 0, runner.put, mtp=True)
-  chunk = runner.chunk or max(n, 1)
+  mcache = pool.cache([table], 0, executor.put, mtp=True)
+  chunk = executor.chunk or max(n, 1)
   # MTP inputs not yet absorbed into its cache: hidden states and the tokens after them (one
   # fewer: the last hidden's is `tok`). They are absorbed in one batched step only when a draft
   # is next needed, so k = 0 rounds cost exactly a plain decode step.
@@ -177,20 +176,21 @@ def _run(runner, pool, table, cache, start, prefilled, req, draft, on_round, clo
       for o in range(0, len(hs), chunk):
         m = min(chunk, len(hs) - o)
         width = bucket(m)  # padded: fewer shapes to compile; padding lands past the length
-        hp = runner.put(np.pad(hs[o:o + m], ((0, width - m), (0, 0)))[None])
-        tp = runner.put([ts[o:o + m] + [0] * (width - m)], jnp.int32)
-        mlog, mx, mcache = runner.mtp(hp, tp, mcache, pending_at + o)
+        hp = executor.put(np.pad(hs[o:o + m], ((0, width - m), (0, 0)))[None])
+        tp = executor.put([ts[o:o + m] + [0] * (width - m)], jnp.int32)
+        mlog, mx, mcache = executor.mtp(hp, tp, mcache, pending_at + o)
       drafts.append(int(jnp.argmax(mlog[0, m - 1])))
       h = mx[:, m - 1:m]
       pending_h, pending_t, pending_at = [], [], p
       for g in range(1, k):
-        mlog, h, mcache = runner.mtp(h, runner.put([[drafts[-1]]], jnp.int32), mcache, p + g - 1)
+        nxt = executor.put([[drafts[-1]]], jnp.int32)
+        mlog, h, mcache = executor.mtp(h, nxt, mcache, p + g - 1)
         drafts.append(int(jnp.argmax(mlog[0, 0])))
     else:
       pending_t = pending_t + [tok]  # the last pending hidden's next token
     # A verify pass may be capped to `expert_budget` experts a layer (opt-in, lossy).
-    cap = engine.expert_budget if engine is not None and k else None
-    logits, xv, cache = runner.step(cache, [[tok] + drafts], p, recorder=req.recorder,
+    cap = executor.expert_budget if k else None
+    logits, xv, cache = executor.step(cache, [[tok] + drafts], p, recorder=req.recorder,
                                     expert_cap=cap)
     a, nxt = accept(logits[0], drafts, picker, rng, emit)
     if req.recorder is not None:  # the trace's step: which positions were drafts

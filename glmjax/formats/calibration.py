@@ -2,7 +2,7 @@
 
 A statistics directory (written by `scripts/calibrate.py`) holds `calibration.json` (what was
 measured, how, and a sha256 of the arrays) and one tensorstore zarr3 array per statistic, each
-`[L, E, ...]` over the model's MoE layers in order (`glmjax.replay.calibration` defines them):
+`[L, E, ...]` over the model's MoE layers in order (`glmjax.formats.calibrate` defines them):
 
     count [L, E]   gate_up_sq [L, E, D]   down_sq [L, E, F]
     gate_up_gram [L, E, D, D]   down_gram [L, E, F, F]      (only when they fit: GRAM_LIMIT)
@@ -38,7 +38,7 @@ GRAM_LIMIT = 2 << 30
 MIN_TOKENS = 64  # one group's worth of inputs: fewer, and the layer's pooled statistics serve
 GPTQ_DAMP = 0.01  # × the mean diagonal of the Hessian (0.001 and 0.1 measured no better)
 # Columns quantized by decreasing diag(H) (static groups keep the format): measured better on
-# the embedded model (BUILD_NOTES §21 table)
+# the embedded model (docs/measurements/quantization.md)
 GPTQ_ACT_ORDER = True
 
 

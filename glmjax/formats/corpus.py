@@ -2,7 +2,7 @@
 
 Everything here is stdlib-only and deterministic: the file list is sorted, the held-out modules
 are named (they exist in CPython 3.10 to 3.13), and the bits-per-byte helpers define the metric
-quoted in BUILD_NOTES (total NLL in bits over a file's tokens / the file's UTF-8 bytes).
+quoted in DESIGN.md §25 (total NLL in bits over a file's tokens / the file's UTF-8 bytes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The checkpoint ships inside the package (`glmjax/embedded_model/`: config.json, bf16
 model.safetensors with the MTP layer, tokenizer.json, tokenizer_config.json,
 generation_config.json). It was produced by `scripts/train_embedded.py` (the exact command is in
-BUILD_NOTES) and exercises every architectural feature: dense and MoE layers, full and shared
+DESIGN.md §25) and exercises every architectural feature: dense and MoE layers, full and shared
 DSA indexer layers with index_topk below the context, group-limited sigmoid routing with a
 correction bias, a shared expert, and one MTP layer.
 """

@@ -2,7 +2,7 @@
 
 Its own module so that numba is imported only by conversions that use it, and the compiled
 kernel is cached on disk. It replaced a numpy search that took ~9 s (unloaded) to ~110 s
-(loaded machine) per GLM-5 gate_up matrix [4096, 6144]; times in BUILD_NOTES §21.
+(loaded machine) per GLM-5 gate_up matrix [4096, 6144]; times in docs/measurements/quantization.md.
 """
 
 from __future__ import annotations

@@ -301,6 +301,19 @@ def dense_scores(view: KeyView, q_nope, q_rope, kv_b: KvB, scale: float, absorbe
   return score * scale, latent
 
 
+def absorbing_pays(queries: int, slots: int, cfg: Config) -> bool:
+  """Whether dense attention of `queries` over `slots` key slots costs fewer multiply-adds
+  absorbed (kv_b folded into each query and output) than expanded (kv_b rebuilding every
+  slot's keys and values). Absorbed wins when the queries are few against the slots: a
+  4-token prefill chunk over a 512-slot page pool costs 38x fewer multiply-adds absorbed; a
+  fresh prompt attending only to itself is cheaper expanded."""
+  h, c, n, r, v = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                   cfg.qk_rope_head_dim, cfg.v_head_dim)
+  absorbed = queries * h * c * (n + v) + queries * slots * h * (2 * c + r)
+  expanded = slots * h * c * (n + v) + queries * slots * h * (n + r + v)
+  return absorbed <= expanded
+
+
 def dense_output(score, mask, latent, kv_b: KvB, absorbed: bool):
   """Attention of `dense_scores`' `score` over the key slots in `mask` `[B|1, S, T]`:
   `[B, S, H, V]`."""
@@ -341,7 +354,7 @@ class Taps:
 # --- one attention block -----------------------------------------------------------------------
 
 def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None = None,
-              pages=None, start=None, selection=None, absorbed: bool = False,
+              pages=None, start=None, selection=None, absorbed: bool | None = None,
               impl: str = "sparse", taps: Taps | None = None):
   """One MLA attention block.
 
@@ -354,7 +367,8 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
     selection: the previous full indexer layer's selection `[B, S, K]` (slots, -1 none),
       reused by "shared" layers.
     absorbed: the absorbed (latent-space) form where attention is dense (the sparse and blocked
-      paths are always absorbed).
+      paths are always absorbed); None picks the form with fewer multiply-adds at these shapes
+      (`absorbing_pays`).
     impl: "sparse" (DSA attends to the selected keys only) or "dense" (the masked reference).
     taps: training's requests (`Taps`; with `impl="dense"` only).
 
@@ -431,6 +445,8 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
       if w.indexer is not None and not select:
         selection = None  # a query that sees no more than K keys keeps them all
       mask = visible if selection is None else visible & selection_mask(selection, view.slots)
+      if absorbed is None:
+        absorbed = absorbing_pays(s, view.slots, cfg)
       score, latent = dense_scores(view, q_nope, q_rope, kv_b, cfg.attn_scale, absorbed)
       if taps is not None and w.indexer is not None:
         taps.index.append((head_mean_probs(score, visible), index_score))

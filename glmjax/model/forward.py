@@ -37,9 +37,9 @@ def bucket(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def attn_route(lw, x, start, cfg: Config, cache=None, selection=None, absorbed: bool = False,
-               resident=None, cache_route=None, expert_cap=None, n_valid=None, pages=None,
-               impl: str = "sparse", taps: Taps | None = None):
+def attn_route(lw, x, start, cfg: Config, cache=None, selection=None,
+               absorbed: bool | None = None, resident=None, cache_route=None, expert_cap=None,
+               n_valid=None, pages=None, impl: str = "sparse", taps: Taps | None = None):
   """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
   (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP. `cache` is
   this layer's pool, addressed through `pages` (glmjax.model.kvcache); `impl` the attention's
@@ -303,7 +303,7 @@ def valid_rows(shape, n_valid, xp=np):
 
 
 def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None = None,
-           absorbed=False, experts: ExpertProvider | None = None, steps: Steps = PURE,
+           absorbed=None, experts: ExpertProvider | None = None, steps: Steps = PURE,
            route_args=None, expert_cap: int | None = None, impl: str = "sparse",
            taps: Taps | None = None):
   """The decoder layers over `chunks` (updated in place to the final pre-norm hidden states),
@@ -318,7 +318,7 @@ def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None =
   return new_layers
 
 
-def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=False,
+def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
             route_args=None, expert_cap: int | None = None, start=0, impl: str = "sparse",
             logits_at=None, taps: Taps | None = None):
@@ -349,7 +349,7 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
 
 
 def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None = None,
-                start=None, absorbed: bool = False, experts: ExpertProvider | None = None,
+                start=None, absorbed: bool | None = None, experts: ExpertProvider | None = None,
                 steps: Steps = PURE, depth: int = 0, n_valid=None, impl: str = "sparse"):
   """The MTP block at positions start..start+S-1 (0.. without a cache) over the main model's
   hidden states h `[B, S, D]` and the tokens after them `[B, S]`.

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.model.config import Config
-from glmjax.model.layers import F32, host_kernels, linear, swiglu
-from glmjax.model.quant import ExpertPool
+# A pool's expert terms and its kernel names are kernels' (re-exported for forward and offload).
+from glmjax.model.kernels import KERNELS, combine_in_order, pool_terms, resolve_kernel  # noqa: F401
+from glmjax.model.layers import F32, linear
 from glmjax.model.weights import Experts
-from pallas_kernels.ops import grouped_terms
-from pallas_kernels.xla import combine_in_order, expert_terms
 
 # Above this many (token, expert) pairs the float path switches from gathering each pair's
 # weights to tiles of pairs sorted by expert, whose cost does not grow with duplicated experts.
@@ -161,35 +160,3 @@ def _tiled_outputs(x, ids, experts: Experts):
 
 # Σ_k w[:, k] · ys[:, k] in rank order k = 0..K-1; explicit adds fix the FP order.
 combine = combine_in_order
-
-
-KERNELS = ("auto", "cpu", "xla", "pallas")
-
-
-def resolve_kernel(kernel: str) -> str:
-  """"auto": the numba CPU kernel on a CPU-only machine, the Pallas kernel on an accelerator."""
-  if kernel == "auto":
-    return "cpu" if host_kernels() else "pallas"
-  return kernel
-
-
-def pool_terms(x, pool: ExpertPool, slot_ids, active, kernel: str = "auto"):
-  """Unweighted terms `[T, K, D]` of quantized experts held in a pool (inside a jit).
-
-  `active` `[T, K]` bool: inactive pairs (padding, or experts served elsewhere) are 0. The CPU
-  kernel computes each distinct slot once over all its rows; every backend gives a (token,
-  rank) term that depends only on that token and that expert's weights.
-  """
-  kernel = resolve_kernel(kernel)
-  active = jnp.broadcast_to(active, slot_ids.shape)
-  if kernel == "cpu":
-    # Imported on first use: loading the compiled custom call costs ~0.5 s (cached) to ~15 s
-    # (first run after install), which models without quantized pools never need.
-    from pallas_kernels import cpu_ffi
-    gu, dn = pool.gate_up, pool.down
-    return cpu_ffi.pool_terms_xla(x.astype(F32), gu.packed, gu.scales, dn.packed, dn.scales,
-                                  slot_ids, active, bits=gu.bits, group_size=gu.group_size,
-                                  hidden=pool.hidden, intermediate=pool.intermediate)
-  if kernel == "pallas":
-    return grouped_terms(x, pool, slot_ids, active)
-  return expert_terms(x, pool, slot_ids, active)

@@ -53,8 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The XLA kernels' unpacking is the one definition of the nibble layout below.
-from pallas_kernels.xla import dequantize, unpack_int4  # noqa: F401
+# The XLA kernels' unpacking is the one definition of the nibble layout below (reached through
+# glmjax.model.kernels, the model's one door to pallas_kernels).
+from glmjax.model.kernels import dequantize, unpack_int4  # noqa: F401
 
 QMAX = {4: 7, 8: 127}  # largest code per bit width (the scale's divisor)
 QMIN = {4: -8, 8: -127}  # smallest code per bit width

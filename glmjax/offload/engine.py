@@ -297,7 +297,7 @@ class OffloadEngine:
     return all_cached
 
   @peer_guarded
-  def forward(self, tokens, cache: KVCache | None = None, absorbed: bool = False,
+  def forward(self, tokens, cache: KVCache | None = None, absorbed: bool | None = None,
               n_valid: int | None = None, record: list | None = None,
               record_opts: RecordOptions = RecordOptions(), expert_cap: int | None = None):
     """Logits `[B, S, V]`, final hidden `[B, S, D]` and the new cache for `tokens` `[B, S]`
@@ -355,7 +355,7 @@ class OffloadEngine:
         bar.update()
         return step(*args, **kw)
       step = steps.attn_route
-      new = layers(self.dense, pieces, self.cfg, cache, False, experts,
+      new = layers(self.dense, pieces, self.cfg, cache, None, experts,
                    dataclasses.replace(steps, attn_route=counted),
                    self._route_args if self._aware else None, None, self.impl)
     self.fused_step.ready = self.stats["expert_misses"] == misses
@@ -409,6 +409,7 @@ class OffloadEngine:
     return {
         "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
         "host_quotas": {str(l): q for l, q in (self.host.quotas or {}).items()},
+        "host_used_bytes": self.host.used, "owned_experts": int(self.tiers.owned.sum()),
         "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
         "pins": {str(l): list(d.expert_in) for l, d in self.device.items()},
         "host": [list(k) for k in self.host.keys()],

@@ -85,7 +85,7 @@ class Prefetcher:
     that finds no room is held for its layer's next step, whose miss takes the read, and is
     dropped if that step does not use it (`expire`). Landing by eviction let wrong guesses push
     out what the next tokens needed (at a 12.5% host cache: 900 against 713 kB read per token,
-    BUILD_NOTES §12)."""
+    DESIGN.md §17)."""
     done = [k for k, (fut, kind) in self.ledger.pending.items() if kind != DEMAND and fut.done()]
     self.ledger.hold(land_free(done, self.room_for, self._store))
     self.tiers.slabs.flush()

@@ -28,13 +28,12 @@ import numpy as np
 
 from glmjax.model.config import Config
 from glmjax.model.forward import JITTED, bucket, valid_rows
+from glmjax.model.kernels import expert_ffn, pool_terms
 from glmjax.model.layers import F32, rms_norm
-from glmjax.model.moe import pool_terms
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device
-from pallas_kernels import cpu
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
@@ -302,9 +301,7 @@ class TieredProvider:
   def host_expert(self, step: LayerStep, e: int, w: ExpertWeights, out: np.ndarray) -> None:
     """Expert `e` applied by the CPU kernel to every real token that chose it."""
     t, k = step.pairs[e]
-    gu, dn = w.gate_up, w.down
-    out[t, k] = cpu.expert_ffn(step.x[t], gu.packed, gu.scales, dn.packed, dn.scales, gu.bits,
-                               gu.group_size, dn.out_features, dn.in_features)
+    out[t, k] = expert_ffn(step.x[t], w)
 
   def pool_terms(self, step: LayerStep, pool: ExpertPool, slot_of: dict, experts, kernel: str):
     """(active `[T, K]`, terms) of `experts`, held in `pool` at `slot_of`, run by `kernel`."""

@@ -52,7 +52,7 @@ class HostCache:
   recently used first: an LRU per layer. One LRU over every layer meets the decode's cyclic
   pattern (layer 0..L-1, then again) and, when smaller than one token's experts, evicts each
   expert just before its next use: at 2.8 slots per layer over 77 layers it hit 0-7.9% where
-  an LRU per layer hits 12.5% (BUILD_NOTES §23). Letting a layer borrow room another left
+  an LRU per layer hits 12.5% (DESIGN.md §16). Letting a layer borrow room another left
   unused measured no better (equal or up to 0.4% fewer hits on random traces: the borrowed
   entries displace the order an LRU keeps).
   """
@@ -263,7 +263,7 @@ def land_free(keys, room, store) -> list:
   `room(key)` says whether it fits without evicting anything (counting those landed before it);
   if so `store(key)` puts it there, otherwise it is held, for its layer's next step (returned).
   A prefetch never evicts: landing by eviction let wrong guesses push out what the next tokens
-  needed (BUILD_NOTES §12)."""
+  needed (DESIGN.md §17)."""
   held = []
   for key in keys:
     if room(key):

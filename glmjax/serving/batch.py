@@ -61,7 +61,7 @@ class BatchDecoder:
     if width < 1:
       raise InputError(f"batch width must be ≥ 1, got {width}")
     self.model, self.width = model, width
-    self.runner = model.runner
+    self.executor = model.executor
     self.context = min(context or model.max_context, model.max_context)  # tokens a row may hold
     layout = model.kv_layout()
     self.kv_bytes = kv_budget(model, width, self.context, kv_cache_gb)
@@ -79,10 +79,7 @@ class BatchDecoder:
     # the one decode shape of the batch (the engine's layer and fused steps for [B, 1]).
     tok = np.zeros((width, 1), np.int32)
     cache = self._cache()
-    if model.offloaded:
-      cache = model.engine.precompile(model.runner.put(tok), cache)
-    else:
-      cache = self.runner.step(cache, tok, self._lengths(), n_valid=np.zeros(width, np.int32))[2]
+    cache = self.executor.warm_batch(cache, tok, self._lengths())
     self.pool.update(cache)
 
   # --- state ---------------------------------------------------------------------------------
@@ -123,7 +120,7 @@ class BatchDecoder:
     for i, r in enumerate(self.rows):
       if r is not None:
         tables[i] = self.pool.table(r.pages, self.width_pages)
-    return self.pool.cache(tables, self._lengths(), self.runner.put, mtp)
+    return self.pool.cache(tables, self._lengths(), self.executor.put, mtp)
 
   def drop(self, tag) -> bool:
     """Frees the row of the request `tag` (a cancelled request); True if it held one."""
@@ -150,8 +147,8 @@ class BatchDecoder:
     row = next(r for r in self.rows if r is not None and r.tag is tag)
     ids = np.concatenate([row.prompt, np.asarray(row.req.out[:-1], np.int32)]).astype(np.int32)
     assert len(ids) == row.length, (len(ids), row.length)
-    one = self.pool.cache([self.pool.table(row.pages, self.width_pages)], 0, self.runner.put)
-    self.pool.update(self.runner.prefill(one, ids, 0)[2])
+    one = self.pool.cache([self.pool.table(row.pages, self.width_pages)], 0, self.executor.put)
+    self.pool.update(self.executor.prefill(one, ids, 0)[2])
 
   # --- work ----------------------------------------------------------------------------------
   def admit(self, prompt_ids: np.ndarray, req, tag=None) -> bool:
@@ -169,8 +166,8 @@ class BatchDecoder:
     start = len(pages) * self.pool.layout.page_size
     try:
       pages += self.pool.alloc(self.pages_needed(total) - len(pages), grow=False)
-      one = self.pool.cache([self.pool.table(pages, self.width_pages)], start, self.runner.put)
-      logits, _, one = self.runner.prefill(one, prompt_ids[start:], start)
+      one = self.pool.cache([self.pool.table(pages, self.width_pages)], start, self.executor.put)
+      logits, _, one = self.executor.prefill(one, prompt_ids[start:], start)
       self.pool.update(one)
       if prefix is not None:
         prefix.insert(prompt_ids, pages, n)
@@ -193,7 +190,7 @@ class BatchDecoder:
       return []
     tokens = np.asarray([[0 if r is None else r.token] for r in self.rows], np.int32)  # [B, 1]
     n_valid = live.astype(np.int32)  # [B]: empty rows are padding, they route nothing
-    logits, _, cache = self.runner.step(self._cache(), tokens, self._lengths(), n_valid=n_valid)
+    logits, _, cache = self.executor.step(self._cache(), tokens, self._lengths(), n_valid=n_valid)
     self.pool.update(cache)
     logits = logits[:, 0]  # [B, V]
     done = []

@@ -25,7 +25,7 @@ import json
 import numpy as np
 
 from glmjax.errors import GlmjaxError, InputError
-from glmjax.offload.owners import counter_layers, peers_named, sum_counters
+from glmjax.offload.owners import peers_named
 
 HEADER_WORDS = 256  # int32 words of every command's first broadcast: its length, then bytes
 IDLE_TICK_S = 2.0  # process 0 sends `idle` this often while nothing happens
@@ -118,7 +118,7 @@ class Follower:
         getattr(self, "_" + cmd["op"])(cmd)
       except InputError:
         logging.exception("follower: %s refused", cmd["op"])
-      self.model.persist_stats()
+      self.model.executor.save_stats()
 
   def _idle(self, cmd: dict) -> None:
     del cmd
@@ -138,8 +138,9 @@ class Follower:
     """Process 0 reports the engine counters summed over the processes (scheduler's
     `_engine_totals`): this process adds its own."""
     del cmd
-    if self.model.engine is not None:
-      sum_counters(self.model.engine.telemetry(), counter_layers(self.model.engine))
+    view = self.model.executor.telemetry()
+    if view is not None:
+      self.model.executor.sum_over_processes(view)
 
   def _step(self, cmd: dict) -> None:
     mine = [None if r is None else int(r.token) for r in self.batch.rows]

@@ -24,7 +24,7 @@ from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.decoding.generation import new_request
 from glmjax.decoding.logprobs import prompt_logprobs
 from glmjax.serving.batch import GiB, BatchDecoder, kv_budget
-from glmjax.offload.owners import counter_layers, peers_named, sum_counters
+from glmjax.offload.owners import peers_named
 from glmjax.serving.follow import IDLE_TICK_S
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
@@ -227,7 +227,7 @@ class Scheduler:
         faults += 1
         self._recover(e, give_up=faults >= MAX_FAULTS)
         self._engine_view = self._engine_totals()
-      self.model.persist_stats()  # throttled: at most every STATS_EVERY_S
+      self.model.executor.save_stats()  # throttled: at most every STATS_EVERY_S
 
   def _turn(self) -> None:
     """One step boundary: drop cancelled rows, admit waiting jobs, decode one step."""
@@ -311,11 +311,10 @@ class Scheduler:
       return view
     self._tell("sum")
     with peers_named("serve"):
-      return sum_counters(view, counter_layers(self.model.engine))
+      return self.model.executor.sum_over_processes(view)
 
   def _telemetry(self) -> dict | None:
-    eng = self.model.engine
-    return eng.telemetry() if eng is not None else None
+    return self.model.executor.telemetry()
 
   def _share(self, before: dict | None, jobs: list[Job]) -> None:
     """Splits the engine counters' growth since `before` evenly over `jobs` (one layer step's

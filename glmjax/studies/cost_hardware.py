@@ -1,8 +1,8 @@
-"""This machine's figures for the offload cost model (glmjax.replay.cost_model), measured
+"""This machine's figures for the offload cost model (glmjax.studies.cost_model), measured
 through the engine's own code where it has one: the expert reader's per-chunk time, the CPU
 kernel on one expert of a store (alone and as the engine's per-miss path), the host tier's
 admission (a diagnostic), and host memcpy (the "upload" of a CPU-only machine). The disk itself
-is measured by `glmjax.reporting.disk_read_gbs`, the benchmarks' one disk probe.
+is measured by `glmjax.bench.reporting.disk_read_gbs`, the benchmarks' one disk probe.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from glmjax.replay.cost_model import GB
+from glmjax.studies.cost_model import GB
 
 
 def _batches(items: list, size: int) -> list[list]:

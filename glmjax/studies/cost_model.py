@@ -1,6 +1,6 @@
 """A cost model of offloaded decoding: seconds per token from geometry, hardware and hit counts.
 
-    from glmjax.replay.cost_model import Geometry, Hardware, Hits, predict, calibrate
+    from glmjax.studies.cost_model import Geometry, Hardware, Hits, predict, calibrate
     predict(geo, hw, Hits(pin=0.6, host=3.9, miss=3.4))["tok_s"]
 
 The model, per token (one decode step; every MoE layer sees the same expected counts):

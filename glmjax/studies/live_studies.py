@@ -1,4 +1,4 @@
-"""Live studies for glmjax.replay.studies: they run the embedded model's store through the
+"""Live studies for glmjax.studies.studies: they run the embedded model's store through the
 engine (verify_cap: the lossy expert budget on speculative verify passes; stage_breakdown: where a
 decoded token's time goes). Each takes the studies' Context (unused: they need no trace)."""
 
@@ -10,7 +10,7 @@ PROMPT = "import os\nimport sys\n\ndef main("
 
 
 def _store() -> tuple[str, int]:
-  from glmjax.reporting import bench_store, store_geometry
+  from glmjax.bench.reporting import bench_store, store_geometry
   path = bench_store(None, "negative_results.")
   return path, store_geometry(path)["expert_bytes_total"]
 
@@ -24,16 +24,16 @@ def verify_cap(ctx) -> dict:
   for cap in (None, 12, 10, 8, 6):
     m = glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=0.25 * total / 2**30,
                     prefetch=False, expert_budget=cap)
-    eng, verify = m.engine, []
-    forward = eng.forward
+    ex, verify = m.executor, []
+    step = ex.step
 
-    def counted(tokens, cache=None, absorbed=False, **kw):  # experts used by verify passes
-      before = eng.stats["experts_used"]
-      out = forward(tokens, cache, absorbed=absorbed, **kw)
-      if absorbed and np.shape(tokens)[1] > 1:
-        verify.append(eng.stats["experts_used"] - before)
+    def counted(cache, tokens, *args, **kw):  # experts used by verify passes
+      before = ex.telemetry()["experts_used"]
+      out = step(cache, tokens, *args, **kw)
+      if np.shape(tokens)[1] > 1:
+        verify.append(ex.telemetry()["experts_used"] - before)
       return out
-    eng.forward = counted
+    ex.step = counted
     m.generate(PROMPT, 16, stop_ids=[], draft=3)  # warm-up: compiles, fills the cache
     verify.clear()
     r = m.generate(PROMPT, 64, stop_ids=[], draft=3)
@@ -72,12 +72,12 @@ def stage_breakdown(ctx) -> dict:
     m = glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=host * total / 2**30,
                     prefetch=False)
     m.generate(PROMPT, 48, stop_ids=[])  # warm: compiled, cache filled
-    m.engine.stage_s = {}
+    timed = m.executor.stage_timing()
     n = 48
     t0 = time.perf_counter()
     m.generate(PROMPT, n, stop_ids=[])
     wall = time.perf_counter() - t0
-    stages = {k: v / n for k, v in m.engine.stage_s.items()}
+    stages = {k: v / n for k, v in timed.items()}
     # Router top-k and sampling, timed on their own (inside the steps they are fused away).
     cfg, lw = m.config, m.weights.layers[m.moe_layers[0]]
     x = jnp.ones((1, cfg.hidden_size), jnp.float32)

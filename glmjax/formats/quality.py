@@ -14,7 +14,6 @@ import dataclasses
 
 import numpy as np
 
-from glmjax.errors import InputError
 from glmjax.model.forward import fresh_start, score_fn
 
 
@@ -56,9 +55,7 @@ def report(float_model, stores: dict, sequences: list[np.ndarray], per_layer: bo
   ref = scores(float_model.weights, cfg, sequences)
   out = {}
   for name, m in stores.items():
-    if m.offloaded:
-      raise InputError(f"{m.path}: its experts do not all fit in memory; the report needs them "
-                       "resident")
+    m.executor.resident_weights(f"{m.path}: the report needs every expert resident")
     kernel = m.options.moe_kernel
     row = compare(ref, scores(m.weights, cfg, sequences, kernel))
     if per_layer:

@@ -5,7 +5,7 @@ The figures and their sources are data (`published_figures.json`, shipped with t
 this module derives the rest (the realised disk rate of a cross-check row, the dense part's
 time, the pinned share) and labels every input published / derived / assumed.
 
-    from glmjax.replay.glm52 import glm52_prediction
+    from glmjax.studies.glm52 import glm52_prediction
     glm52_prediction()["prediction"]["tok_s"]
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from glmjax.replay.cost_model import GB, Geometry, Hardware, Hits, predict
+from glmjax.studies.cost_model import GB, Geometry, Hardware, Hits, predict
 
 FIGURES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published_figures.json")
 

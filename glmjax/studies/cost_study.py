@@ -4,13 +4,13 @@ two overheads fitted to them (with the kernel-only and with the engine-path figu
 GLM-5.2 prediction from published figures, as one JSON-able report.
 
 Steps, in one run (`run_cost_study`):
-1. hardware: disk_gbs from `glmjax.reporting.disk_read_gbs` reading the store's expert chunks
+1. hardware: disk_gbs from `glmjax.bench.reporting.disk_read_gbs` reading the store's expert chunks
    top_k at a time over `io_workers` threads, as the engine dispatches a decode step's misses;
    cpu_kernel_gbs from `pallas_kernels.cpu.expert_ffn` on one expert of the store at T=1
    (median); memcpy as h2d (a CPU-only machine has no bus: "device" memory is host RAM). Beside
    them, the same two stages through the engine's own code (its ExpertReader; its per-miss
    unpack + kernel + scatter), whose per-expert fixed costs dominate at the embedded model's
-   20 KB experts (glmjax/replay/cost_hardware.py).
+   20 KB experts (glmjax/studies/cost_hardware.py).
 2. dense_s_per_token: warm decode with every expert resident, less its expert compute.
 3. per host budget (fraction of the expert bytes; device tier 0, prefetch off): a warm-up
    generate, then `repeats` traced generates; measured s/token = 1 / median decode_tok_s, hits
@@ -19,7 +19,7 @@ Steps, in one run (`run_cost_study`):
 4. calibrate layer_overhead_s and miss_overhead_s to the budgets, once with the kernel-only
    figures and once with the engine-path figures; relative errors in-sample and leave-one-out.
 5. GLM-5.2 on a Ryzen 9950X3D2 + RTX 5090 + PCIe 5 NVMe box from published figures
-   (glmjax/replay/glm52.py), beside colibri's measured 1.23 tok/s.
+   (glmjax/studies/glm52.py), beside colibri's measured 1.23 tok/s.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-from glmjax.replay import cost_hardware
-from glmjax.replay.cost_model import GB, Geometry, Hardware, Hits, calibrate, predict
-from glmjax.replay.glm52 import glm52_prediction
+from glmjax.studies import cost_hardware
+from glmjax.studies.cost_model import GB, Geometry, Hardware, Hits, calibrate, predict
+from glmjax.studies.glm52 import glm52_prediction
 
 GiB = 1 << 30
 
@@ -60,7 +60,7 @@ def measure_dense(store_path: str, total_bytes: int, runs: DecodeRuns) -> dict:
   # A little over the total: the slot count rounds down, and one slot short is not resident.
   with glmjax.load(store_path, progress=False, device_cache_gb=1.02 * total_bytes / GiB,
                    host_cache_gb=0) as model:
-    if not model.engine.all_resident:
+    if not (model.executor.telemetry() or {}).get("all_resident"):
       raise glmjax.InputError(f"{store_path}: the all-resident budget did not make every "
                               "expert resident")
     tok_s = [model.generate(runs.prompt_for(model), runs.tokens, stop_ids=[]).stats[
@@ -168,7 +168,7 @@ def run_cost_study(path: str, budgets: list[float], tmp: str, runs: DecodeRuns,
   """Steps 1–5 on the store at `path` (traces written under `tmp`); the report as JSON-able
   dict. `store_label` names the store in the report (default: its path)."""
   from glmjax.formats.store import read_manifest
-  from glmjax.reporting import disk_read_gbs, store_geometry
+  from glmjax.bench.reporting import disk_read_gbs, store_geometry
   g = store_geometry(path)
   top_k = int(read_manifest(path)["source_config"]["num_experts_per_tok"])
   total = g["expert_bytes_total"]

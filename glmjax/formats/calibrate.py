@@ -101,7 +101,7 @@ def gptq_layer(weights, layer: int, r: int, sums: dict, min_tokens: int, bits: i
   `--quant=gptq` quantization under the `r`-th layer's statistics in `sums` (dequantized back
   to float32: the quantized model's numbers), exactly as `convert.py` quantizes them."""
   from glmjax.formats.calibration import expert_statistics, quantize_matrix
-  from glmjax.replay.quality import with_layer
+  from glmjax.formats.quality import with_layer
   ex = weights.layers[layer].mlp.experts
   parts = {}
   for name in ("gate_up", "down"):
@@ -120,7 +120,7 @@ def collect(model, rows: list, batch: int, gram: bool, progress: bool = True,
   `sequential` (see `calibrate`)."""
   from tqdm import tqdm
   from glmjax.formats import calibration
-  cfg, moe_layers, put = model.config, model.moe_layers, model.runner.put
+  cfg, moe_layers, put = model.config, model.moe_layers, model.executor.put
   seq = len(rows[0][0])
   passes = len(moe_layers) if sequential else 1
   with tqdm(total=sum(r[1] for r in rows) * passes, unit="tok", unit_scale=True,
@@ -166,9 +166,8 @@ def calibrate(model, texts: list[str], max_tokens: int = 65536, batch: int = 4, 
   MoE layer instead of one."""
   from glmjax.errors import InputError
   from glmjax.formats import calibration, corpus, store
-  if model.offloaded:
-    raise InputError(f"{model.path}: its experts do not all fit in memory; calibration runs the "
-                     "resident jitted forward (a layer-by-layer pass is not built)")
+  model.executor.resident_weights(f"{model.path}: calibration runs the resident jitted forward "
+                                  "(a layer-by-layer pass is not built)")
   if model.tokenizer is None:
     raise InputError(f"{model.path}: no tokenizer.json; a text corpus needs one")
   cfg = model.config

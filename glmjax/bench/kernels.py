@@ -2,7 +2,7 @@
 machine, random int4 pools, the dequantize-then-einsum reference path, random routing, and
 the DRAM read roof.
 
-    from glmjax import kernel_bench
+    from glmjax.bench import kernels as kernel_bench
     gu, dn = kernel_bench.random_int4_pool(np.random.default_rng(0), 16, 6144, 2048, 64)
     kernel_bench.time_calls(lambda i: fn(), repeats=5)["median_s"]
 """

@@ -1,7 +1,7 @@
 """Simulation studies of proposed MoE-offload optimizations on a routing trace: the registry
 behind scripts/negative_results.py (one JSON-able dict per study, one markdown table each).
 
-    from glmjax.replay.studies import Context, run_studies
+    from glmjax.studies.studies import Context, run_studies
     report = run_studies(Context("/tmp/trace", None, 16384), ["mass_filter"])
 
 Studies (each a function of a `Context`, returning a JSON-able dict with "rows" and "finding";
@@ -14,7 +14,7 @@ register new ones in STUDIES):
 - pilot_k_sweep: the pilot's top PILOT_K: recall, precision, bytes read per position, hit rate.
 - freq_eviction: lfu and lfru (the engine's pin rule) against lru, with pilot prefetch staging:
   hit rate and staged experts wasted, at the sweep capacities.
-- verify_cap, stage_breakdown: live runs of the embedded model (glmjax/replay/live_studies.py).
+- verify_cap, stage_breakdown: live runs of the embedded model (glmjax/studies/live_studies.py).
 
 Decode is modelled with per_token=True: each position is its own step, in trace order.
 """
@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from glmjax.errors import InputError
-from glmjax.replay.live_studies import stage_breakdown, verify_cap
+from glmjax.studies.live_studies import stage_breakdown, verify_cap
 
 # scripts/replay.py records the trace when none is given.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
