@@ -418,6 +418,9 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
   device_cache_gb, host_cache_gb, io_workers, io_timeout_s, cold).
   """
   opts = Options.from_kwargs(**options)
+  if opts.compile_cache:  # the next process loads the compiled steps (DESIGN.md §4)
+    from glmjax.runtime import compile_cache
+    compile_cache.enable()
   if path is None:
     path = embedded.ensure(progress=opts.progress)
   path = os.fspath(path)

@@ -81,6 +81,9 @@ class Options:
     prefix_cache: `generate` reuses the KV pages of prompt prefixes an earlier call prefilled
       (full pages of 256 positions; glmjax.decoding.prefix), kept until the pool needs them.
       Off by default in the library (cached pages hold memory); the server turns it on.
+    compile_cache: keep compiled steps in JAX's persistent cache (in $GLMJAX_CACHE, else
+      ~/.cache/glmjax/xla; a directory already configured for JAX is kept), so the next
+      process loads them instead of compiling. False leaves JAX's setting as it is.
   """
 
   dtype: str = "auto"
@@ -105,6 +108,7 @@ class Options:
   kv_dtype: str = "auto"
   index_dtype: str = "auto"
   prefix_cache: bool = False
+  compile_cache: bool = True
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -129,6 +133,8 @@ class Options:
                        f"{self.expert_budget!r}")
     if not self.io_timeout_s > 0:
       raise InputError(f"io_timeout_s must be > 0, got {self.io_timeout_s}")
+    if not isinstance(self.compile_cache, bool):
+      raise InputError(f"compile_cache must be True or False, got {self.compile_cache!r}")
     if not isinstance(self.prefix_cache, bool):
       raise InputError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
     if self.attention not in ("sparse", "dense"):

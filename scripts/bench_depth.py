@@ -38,8 +38,8 @@ from glmjax import cli
 from glmjax.formats.synthetic import make_synthetic_store
 from glmjax.replay import Trace, simulate
 from glmjax.replay.limit import capacity_experts, decode_limit
-from glmjax.bench.reporting import (disk_read_gbs, persistent_compile_cache, store_geometry,
-                                    write_report)
+from glmjax.bench.reporting import disk_read_gbs, store_geometry, write_report
+from glmjax.runtime import compile_cache
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["8", "24", "77"], "MoE layer counts (depths) to measure.")
@@ -186,7 +186,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if FLAGS.piece:  # a child: one depth, or the warm runs
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # else the one set up there
-      persistent_compile_cache()  # the children reuse each other's compiled steps
+      compile_cache.enable()  # the children reuse each other's compiled steps
     out = (_one_depth(FLAGS.one_depth) if FLAGS.one_depth is not None
            else _compute([int(w) for w in FLAGS.compute_depths]))
     with open(FLAGS.piece, "w", encoding="utf-8") as f:

@@ -38,8 +38,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import glmjax
   from glmjax.studies.cost_study import DecodeRuns, run_cost_study, summary
-  from glmjax.bench.reporting import bench_store, persistent_compile_cache, write_report
-  persistent_compile_cache()
+  from glmjax.bench.reporting import bench_store, write_report
+  from glmjax.runtime import compile_cache
+  compile_cache.enable()
   try:
     budgets = [float(b) for b in FLAGS.budgets]
   except ValueError:

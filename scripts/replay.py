@@ -63,8 +63,8 @@ def main(argv):
   from glmjax.model.forward import RecordOptions
   from glmjax.replay import record
   from glmjax.formats import corpus
-  from glmjax.bench.reporting import persistent_compile_cache
-  persistent_compile_cache()  # a second replay of the same shapes starts without compiling
+  from glmjax.runtime import compile_cache
+  compile_cache.enable()  # a second replay of the same shapes starts without compiling
   try:
     if os.path.lexists(FLAGS.out):
       raise glmjax.InputError(f"--out {FLAGS.out}: already exists; a trace is never written over "

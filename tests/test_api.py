@@ -118,3 +118,24 @@ def test_generate_script_bad_input_is_clean():
   assert r.returncode == 1 and "unknown" in r.stderr and "Traceback" not in r.stderr
   r = _run("--mesh=expert:3")  # one CPU device here
   assert r.returncode == 1 and "needs 3 devices" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_load_turns_the_persistent_compile_cache_on(tmp_path):
+  """A fresh process: `compile_cache=False` leaves JAX's cache off; a default load turns it
+  on in $GLMJAX_CACHE, and the steps a generation compiles land there, small ones included.
+  An already configured directory is kept."""
+  code = (
+      "import jax, os, glmjax\n"
+      "m = glmjax.load(progress=False, compile_cache=False)\n"
+      "assert not jax.config.jax_compilation_cache_dir\n"
+      "m = glmjax.load(progress=False)\n"
+      "assert jax.config.jax_compilation_cache_dir == os.environ['GLMJAX_CACHE']\n"
+      "m.generate('def', 2)\n"
+      "from glmjax.runtime import compile_cache\n"
+      "assert compile_cache.enable('/elsewhere') == os.environ['GLMJAX_CACHE']\n")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["GLMJAX_CACHE"] = str(tmp_path / "xla")
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert len(os.listdir(tmp_path / "xla")) >= 5  # every step of the generation, however small

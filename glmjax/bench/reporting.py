@@ -6,23 +6,6 @@ import json
 import os
 
 
-def persistent_compile_cache(path: str | None = None) -> str | None:
-  """Turns on JAX's persistent compilation cache for a script (not for library users: it is a
-  process-wide setting): compiled steps are reused by the next run instead of recompiled
-  (~2.5 s per shape on the embedded model). `path` defaults to $GLMJAX_CACHE or
-  ~/.cache/glmjax/xla; an unwritable location leaves the cache off. Returns the directory."""
-  import jax
-  path = path or os.environ.get("GLMJAX_CACHE") or os.path.join(
-      os.path.expanduser("~"), ".cache", "glmjax", "xla")
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError:
-    return None
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  return path
-
-
 def write_report(report: dict | list, path: str | None = None) -> str:
   """Prints `report` as JSON and, with `path`, writes it there atomically. Returns the text."""
   text = json.dumps(report, indent=1)
