@@ -37,21 +37,53 @@ def bucket(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def attn_route(lw, x, start, cfg: Config, cache=None, selection=None,
-               absorbed: bool | None = None, resident=None, cache_route=None, expert_cap=None,
-               n_valid=None, pages=None, impl: str = "sparse", taps: Taps | None = None):
-  """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
-  (+ residual) and the MLP norm; MoE layers route, dense layers finish their MLP. `cache` is
-  this layer's pool, addressed through `pages` (glmjax.model.kvcache); `impl` the attention's
-  ("sparse", or the masked "dense" reference); `taps` training's requests of it (`Taps`).
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("resident", "n_valid"),
+                   meta_fields=("keep", "rank", "cap"))
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """How a MoE layer picks its experts when not each token's exact top-k (both opt-in, lossy):
 
-  Returns (x, flat `[T, D]`, ids `[T, K]`, weights `[T, K]`, cache, selection, route_stats);
-  flat/ids/weights are None for dense layers. With `cache_route=(keep, rank)` and a
-  `resident` `[E]` mask, MoE layers route cache-aware (lossy) and `route_stats` holds that
-  routing's [swaps, overlap, kl] sums (else None). With `expert_cap` (opt-in, lossy), the
-  step's tokens are routed within its `expert_cap` most chosen experts (`route_capped`;
-  `route_stats` then counts the swaps).
-  """
+  * cache-aware (`keep`, `rank` set): each token keeps its true top-`keep` experts and fills
+    the other slots with `resident` (`[E]` bool) experts among its top-`rank` by biased score;
+  * capped (`cap` set): the step's tokens, its first `n_valid` rows real, are routed within
+    its `cap` most chosen experts (a verify pass's expert budget).
+
+  The ints are static (part of a jitted step's signature); the arrays are traced."""
+  resident: Any = None
+  n_valid: Any = None
+  keep: int | None = None
+  rank: int | None = None
+  cap: int | None = None
+
+  def for_rows(self, n_valid) -> "Routing":
+    """This routing for a chunk whose first `n_valid` rows are real."""
+    return dataclasses.replace(self, n_valid=n_valid) if self.cap is not None else self
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerHead:
+  """A layer up to its experts (`attn_route`): the post-attention residual `x` `[B, S, D]`
+  (a dense layer's whole output), the layer's `cache` and DSA `selection`; at MoE layers the
+  normed rows `flat` `[T, D]` routed to `ids` `[T, K]` with `weights` `[T, K]`, and under a
+  lossy `Routing` its per-token `route_stats` ([swaps, overlap, kl] sums)."""
+  x: Any
+  cache: Any
+  selection: Any
+  flat: Any = None
+  ids: Any = None
+  weights: Any = None
+  route_stats: Any = None
+
+
+def attn_route(lw, x, start, cfg: Config, cache=None, selection=None,
+               absorbed: bool | None = None, routing: Routing | None = None, pages=None,
+               impl: str = "sparse", taps: Taps | None = None) -> LayerHead:
+  """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
+  (+ residual) and the MLP norm; MoE layers route (`routing`: exact top-k when None), dense
+  layers finish their MLP. `cache` is this layer's pool, addressed through `pages`
+  (glmjax.model.kvcache); `impl` the attention's ("sparse", or the masked "dense" reference);
+  `taps` training's requests of it (`Taps`)."""
   steps = jnp.arange(x.shape[1], dtype=jnp.int32)
   # [S]; per-row starts `[B]` (batched decoding) give per-row positions [B, S]
   positions = start[:, None] + steps if jnp.ndim(start) == 1 else start + steps
@@ -63,19 +95,19 @@ def attn_route(lw, x, start, cfg: Config, cache=None, selection=None,
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
     with jax.named_scope("mlp"):
-      return x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None, None, cache, selection, None
+      return LayerHead(x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), cache, selection)
   flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
+  m, stats = lw.mlp, None
   with jax.named_scope("route"):
-    if expert_cap is not None:
-      valid = valid_rows(x.shape, n_valid, jnp)
-      ids, w, stats = route_capped(flat, lw.mlp.router, lw.mlp.bias, cfg, valid, expert_cap)
-      return x, flat, ids, w, cache, selection, stats
-    if cache_route is not None:
-      ids, w, stats = route_cache_aware(flat, lw.mlp.router, lw.mlp.bias, cfg, resident,
-                                        *cache_route)
-      return x, flat, ids, w, cache, selection, stats
-    ids, w = route(flat, lw.mlp.router, lw.mlp.bias, cfg)
-  return x, flat, ids, w, cache, selection, None
+    if routing is not None and routing.cap is not None:
+      valid = valid_rows(x.shape, routing.n_valid, jnp)
+      ids, w, stats = route_capped(flat, m.router, m.bias, cfg, valid, routing.cap)
+    elif routing is not None and routing.keep is not None:
+      ids, w, stats = route_cache_aware(flat, m.router, m.bias, cfg, routing.resident,
+                                        routing.keep, routing.rank)
+    else:
+      ids, w = route(flat, m.router, m.bias, cfg)
+  return LayerHead(x, cache, selection, flat, ids, w, stats)
 
 
 def moe_finish(m: MoE, x, flat, ys, w):
@@ -113,8 +145,7 @@ class Steps:
 PURE = Steps(embed, attn_route, moe_finish, logits_of, mtp_input, mtp_output_logits)
 JITTED = Steps(
     jax.jit(embed),
-    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "cache_route", "expert_cap", "impl"),
-            donate_argnames=("cache",)),
+    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "impl"), donate_argnames=("cache",)),
     jax.jit(moe_finish),
     jax.jit(logits_of, static_argnames=("cfg",)),
     jax.jit(mtp_input, static_argnames=("cfg",)),
@@ -268,21 +299,21 @@ class Chunk:
 
 
 def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache, pages, absorbed,
-           experts: ExpertProvider, steps: Steps, route_args, expert_cap=None,
-           impl: str = "sparse", taps: Taps | None = None):
+           experts: ExpertProvider, steps: Steps, routing=None, impl: str = "sparse",
+           taps: Taps | None = None):
   """One decoder layer through `steps` for every chunk in order, its routed experts from
   `experts` (given all the chunks' routing at once). Returns the layer's cache."""
-  resident, cache_route = route_args(i) if route_args is not None else (None, None)
+  how = routing(i) if routing is not None else None  # this layer's Routing, or None
   routed, weights = [], []
   for c in chunks:
-    extra = {} if expert_cap is None else {"expert_cap": expert_cap, "n_valid": c.n_valid}
-    if taps is not None:  # PURE steps only: a jitted step would drop what taps collect
-      extra["taps"] = taps
-    c.x, flat, ids, w, cache, c.selection, stats = steps.attn_route(
+    extra = {} if taps is None else {"taps": taps}  # PURE steps only: a jit drops what taps keep
+    head = steps.attn_route(
         lw, c.x, c.start, cfg=cfg, cache=cache, selection=c.selection, absorbed=absorbed,
-        resident=resident, cache_route=cache_route, pages=pages, impl=impl, **extra)
-    routed.append(Routed(c.x, flat, ids, c.n_valid, stats))
-    weights.append(w)
+        routing=None if how is None else how.for_rows(c.n_valid), pages=pages, impl=impl,
+        **extra)
+    c.x, cache, c.selection = head.x, head.cache, head.selection
+    routed.append(Routed(head.x, head.flat, head.ids, c.n_valid, head.route_stats))
+    weights.append(head.weights)
   if routed[0].ids is not None:
     with jax.named_scope("experts"):
       # Run the provider to its end (a zip would stop before the work after its last chunk).
@@ -304,24 +335,24 @@ def valid_rows(shape, n_valid, xp=np):
 
 def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None = None,
            absorbed=None, experts: ExpertProvider | None = None, steps: Steps = PURE,
-           route_args=None, expert_cap: int | None = None, impl: str = "sparse",
-           taps: Taps | None = None):
+           routing=None, impl: str = "sparse", taps: Taps | None = None):
   """The decoder layers over `chunks` (updated in place to the final pre-norm hidden states),
-  layer-major: every chunk through layer L, then layer L + 1. Returns the new cache's layers."""
+  layer-major: every chunk through layer L, then layer L + 1; `routing(layer)` gives a MoE
+  layer's lossy `Routing` (None: exact top-k). Returns the new cache's layers."""
   experts = experts or resident_experts()
   new_layers = []
   for i, lw in enumerate(w.layers):
     lc = None if cache is None else cache.layers[i]
     pages = None if cache is None else cache.pages
     new_layers.append(_layer(i, lw, chunks, cfg, lc, pages, absorbed, experts, steps,
-                             route_args, expert_cap, impl, taps))
+                             routing, impl, taps))
   return new_layers
 
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
             experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
-            route_args=None, expert_cap: int | None = None, start=0, impl: str = "sparse",
-            logits_at=None, taps: Taps | None = None):
+            routing=None, start=0, impl: str = "sparse", logits_at=None,
+            taps: Taps | None = None):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
   This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
@@ -340,8 +371,7 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
   """
   start = start if cache is None else cache.length
   chunk = Chunk(steps.embed(w, tokens), start, n_valid)  # [B, S, D]
-  new_layers = layers(w, [chunk], cfg, cache, absorbed, experts, steps, route_args, expert_cap,
-                      impl, taps)
+  new_layers = layers(w, [chunk], cfg, cache, absorbed, experts, steps, routing, impl, taps)
   new_cache = None if cache is None else KVCache(new_layers, cache.pages, cache.length)
   x = chunk.x
   head = x if logits_at is None else jax.lax.dynamic_slice_in_dim(x, logits_at, 1, axis=1)

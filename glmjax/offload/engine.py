@@ -43,8 +43,8 @@ from tqdm import tqdm
 from glmjax.errors import InputError
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config
-from glmjax.model.forward import (JITTED, Chunk, KVCache, RecordOptions, forward, layers,
-                                  mtp_forward, recording)
+from glmjax.model.forward import (JITTED, Chunk, KVCache, RecordOptions, Routing, forward,
+                                  layers, mtp_forward, recording)
 from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
@@ -276,12 +276,13 @@ class OffloadEngine:
       experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
     return experts
 
-  def _route_args(self, layer: int):
-    """Cache-aware routing's inputs for `layer`: (resident `[E]` mask, (keep, rank))."""
+  def _routing(self, layer: int) -> Routing | None:
+    """Cache-aware routing of `layer` toward its resident experts (None: a dense layer)."""
     if layer not in self.device and layer not in self.moe_layers:
-      return None, None
+      return None
     mask = [self.prefetcher.resident(layer, e) for e in range(self.cfg.n_routed_experts)]
-    return jnp.asarray(mask), tuple(self.cache_route)
+    keep, rank = self.cache_route
+    return Routing(resident=jnp.asarray(mask), keep=keep, rank=rank)
 
   def _start_step(self, fill: bool) -> bool:
     """A forward's start: whether every expert is held (returned). With every expert held
@@ -318,8 +319,8 @@ class OffloadEngine:
       out = forward(self.dense, tokens, self.cfg, cache, absorbed,
                     experts=self._experts(record, record_opts),
                     steps=self.provider.steps(n_valid), n_valid=n_valid,
-                    route_args=self._route_args if self._aware else None,
-                    expert_cap=expert_cap, impl=self.impl)
+                    routing=((lambda _: Routing(cap=expert_cap)) if expert_cap is not None
+                             else self._routing if self._aware else None), impl=self.impl)
       if not dry:
         self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident and self.fused_step.unsettled is None and not dry:
@@ -357,7 +358,7 @@ class OffloadEngine:
       step = steps.attn_route
       new = layers(self.dense, pieces, self.cfg, cache, None, experts,
                    dataclasses.replace(steps, attn_route=counted),
-                   self._route_args if self._aware else None, None, self.impl)
+                   self._routing if self._aware else None, self.impl)
     self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()

@@ -360,11 +360,11 @@ class TieredProvider:
     def call(lw, x, start, **kw):
       out = attn_route(lw, x, start, **kw)
       i = self._layer_index.get(id(lw))
-      nxt = None if out[2] is not None or i is None else self.next_moe(i)
+      nxt = None if out.ids is not None or i is None else self.next_moe(i)
       if nxt is not None:
         k = min(self.prefetcher.pilot_k, self.cfg.n_routed_experts)
-        pilot = np.asarray(pilot_step(self.dense.layers[nxt], out[0], cfg=self.cfg, k=k))
-        nv = n_valid if end is None else min(max(end - int(start), 0), out[0].shape[1])
-        self.prefetcher.hint_pilot(nxt, pilot[valid_rows(out[0].shape, nv)])
+        pilot = np.asarray(pilot_step(self.dense.layers[nxt], out.x, cfg=self.cfg, k=k))
+        nv = n_valid if end is None else min(max(end - int(start), 0), out.x.shape[1])
+        self.prefetcher.hint_pilot(nxt, pilot[valid_rows(out.x.shape, nv)])
       return out
     return call
