@@ -261,3 +261,17 @@ def test_readme_two_step_path_as_a_user_runs_it(tmp_path):
     want = quality.report(ref, {"s": q}, [seq], False)["s"]
   assert got["kl"] == pytest.approx(want["kl"], rel=1e-6) and got["kl"] > 0
   assert got["top1_agreement"] == want["top1_agreement"]
+
+
+def test_calibration_and_the_report_refuse_an_offloaded_store(float_model, rtn_store):
+  """Both need every expert at hand: a store loaded behind small caches is refused with an
+  InputError naming it, before the store runs; the same store fully resident is taken."""
+  from glmjax.formats import calibrate
+  offloaded = glmjax.load(rtn_store, progress=False, device_cache_gb=0, host_cache_gb=0)
+  with pytest.raises(InputError, match=f"{rtn_store}.*do not all fit in memory"):
+    quality.report(float_model, {"rtn": offloaded}, list(_batch()[0]))
+  with pytest.raises(InputError, match=f"{rtn_store}.*do not all fit in memory"):
+    calibrate.calibrate(offloaded, ["unused"])
+  offloaded.close()
+  resident = glmjax.load(rtn_store, progress=False)
+  assert resident.executor.resident_weights("unused") is resident.weights

@@ -182,8 +182,6 @@ class Steps:
     """The whole weight tree, routed experts included, for work that needs all of it at hand
     (calibration, the quality report); else an InputError that starts with `why`."""
     from glmjax.errors import InputError
-    if isinstance(self, ResidentExecutor):
-      return self.weights
     raise InputError(f"{why}: its experts do not all fit in memory")
 
   def close(self) -> None:
@@ -196,6 +194,10 @@ class ResidentExecutor(Steps):
   """Every step one jit over resident weights, compiled ahead once per shape."""
 
   one_jit = True
+
+  def resident_weights(self, why: str):
+    del why  # every weight is resident here
+    return self.weights
 
   def _static(self, **kw) -> dict:
     return dict(cfg=self.cfg, kernel=self.kernel, mesh=self.mesh, impl=self.impl, **kw)
