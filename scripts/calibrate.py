@@ -36,7 +36,9 @@ from glmjax import cli  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_model_flag(cli.MODEL_KINDS)
-flags.DEFINE_string("out", None, "Statistics directory to write (must not exist).", required=True)
+flags.DEFINE_string("out", None, "Statistics directory to write (must not exist; it appears "
+                    "whole at the end, so a killed run leaves nothing there to delete).",
+                    required=True)
 flags.DEFINE_string("corpus", None, "A directory of text files, a text file or a JSONL file "
                     "(\"text\" field); default: the embedded corpus's training split.")
 flags.DEFINE_integer("max_tokens", 65536, "Calibration tokens at most (0 = the whole corpus).",

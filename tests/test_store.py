@@ -187,8 +187,8 @@ def test_arrays_open_with_plain_tensorstore(src, dst):
 
 def test_resume_after_kill_is_identical(src, dst, tmp_path):
   part = str(tmp_path / "resumed")
-  r = convert(src, part, env={"GLMJAX_CONVERT_ABORT_AFTER": "5"})
-  assert r.returncode == 137 and not os.path.exists(os.path.join(part, "manifest.json"))
+  r = convert(src, part, env={"GLMJAX_KILL_AT": "convert.expert_chunk:5"})
+  assert r.returncode == -9 and not os.path.exists(os.path.join(part, "manifest.json"))
   with pytest.raises(CheckpointError, match="incomplete expert store"):
     glmjax.load(part, progress=False)
   r = convert(src, part)
@@ -211,8 +211,8 @@ def test_resume_after_torn_progress_line(src, dst, tmp_path):
   """A kill mid-append leaves a partial last line in the progress log: the rerun drops it (that
   item is redone) and the store equals an uninterrupted one."""
   part = str(tmp_path / "torn")
-  r = convert(src, part, env={"GLMJAX_CONVERT_ABORT_AFTER": "3"})
-  assert r.returncode == 137
+  r = convert(src, part, env={"GLMJAX_KILL_AT": "convert.expert_chunk:3"})
+  assert r.returncode == -9
   with open(os.path.join(part, ".progress.json"), "a") as f:
     f.write('{"done":"main/1/')
   r = convert(src, part)

@@ -20,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 
 from glmjax.errors import InputError
-from glmjax.formats import calibrated
+from glmjax.formats import calibrated, durable
 from glmjax.formats.quantize import quantize
 from glmjax.model.quant import QArray
 
@@ -63,19 +64,27 @@ def _spec(path: str, key: str) -> dict:
 
 
 def save(path: str, arrays: dict, meta: dict) -> dict:
-  """Writes `arrays` (float64 sums, `[L, E, ...]`) and `meta` (plus their digest) to directory
-  `path`; the json is written last, so a half-written directory never loads. Returns the meta."""
+  """Writes `arrays` (float64 sums, `[L, E, ...]`) and `meta` (plus their digest) to the new
+  directory `path`, built in a temporary sibling and renamed into place whole (`formats.durable`;
+  kill points "calibration.array", "calibration.publish"): a killed save leaves nothing at
+  `path`, and the rerun removes its temporary. Returns the meta."""
   import tensorstore as ts
-  os.makedirs(path, exist_ok=True)
+  if os.path.lexists(path):
+    raise InputError(f"{path}: already exists; statistics are never written over others")
   arrays = {k: np.asarray(arrays[k], np.float64) for k in KEYS if k in arrays}
-  for k, a in arrays.items():
-    ts.open(_spec(path, k), create=True, delete_existing=True, dtype=ts.float64,
-            shape=a.shape).result().write(a).result()
-  meta = {**meta, "arrays": sorted(arrays), "sha256": digest(arrays)}
-  tmp = os.path.join(path, META + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=1)
-  os.replace(tmp, os.path.join(path, META))
+  tmp = durable.staging_dir(path)
+  try:
+    for k, a in arrays.items():
+      ts.open(_spec(tmp, k), create=True, dtype=ts.float64, shape=a.shape).result().write(
+          a).result()
+      durable.kill_point("calibration.array")
+    meta = {**meta, "arrays": sorted(arrays), "sha256": digest(arrays)}
+    with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+      json.dump(meta, f, indent=1)
+    durable.publish_dir(tmp, path, point="calibration.publish")
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
   return meta
 
 

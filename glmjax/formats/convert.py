@@ -3,7 +3,9 @@
 Streams tensor by tensor: one dense part (a layer's attention, norms, router and shared expert)
 or a few experts (one per worker) are in memory at a time. Resumable: finished dense parts and
 expert chunks are recorded in `.progress.json` only after they are durably written, and a rerun
-skips them. Atomic: `manifest.json` is written last, so an interrupted store is never loaded.
+skips them. Atomic: `manifest.json` is written last, so an interrupted store is never loaded
+(the writers' rule, `formats.durable`; its kill points here: "convert.dense_part",
+"convert.expert_chunk", then the store's "store.manifest" and "store.finish").
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import numpy as np
 from tqdm import tqdm
 
-from glmjax.formats import store
+from glmjax.formats import durable, store
 from glmjax.formats.calibration import METHODS, Calibration, quantize_matrix
 from glmjax.formats.checkpoint import (HFCheckpoint, SCALE_SUFFIX, assemble, expand_names,
                                       fp8_block_size, plan, read_float, require_finite)
@@ -27,8 +29,6 @@ from glmjax.errors import CheckpointError, InputError
 from glmjax.model.weights import DENSE_BITS, MoE, dense_format, dense_settings, leaves_with_info
 
 _DENSE_DTYPES = ("bfloat16", "float16", "float32")
-# Test hook: exit abruptly after this many expert chunks, as a kill would.
-_ABORT_ENV = "GLMJAX_CONVERT_ABORT_AFTER"
 
 
 class _Progress:
@@ -168,6 +168,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     done = {k: manifest["quant"].get(k) for k in ("method", "calibration")}
     if done != {"method": calibrated.get("method"), "calibration": calibrated.get("calibration")}:
       raise InputError(f"{dst}: a complete store quantized with {done}, not {calibrated or 'rtn'}")
+    store.finish(dst)  # a kill between the manifest and dropping the progress log
     if progress:
       print(f"{dst}: already a complete store; nothing to do")
     return manifest
@@ -197,8 +198,6 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
   total = sum(src_bytes.values())
   bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
              disable=not progress, smoothing=0.1)
-  abort_after = int(os.environ.get(_ABORT_ENV, "0"))
-  written = [0]
 
   # Dense parts first (overlapping them with the experts on a thread measured no faster on 2
   # cores, and held the largest dense part beside the experts), then the routed experts: one
@@ -237,8 +236,8 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
     for job in jobs:
       pending.add(pool.submit(work, *job))
       if len(pending) >= 2 * workers:
-        pending = _drain(pending, prog, bar, written, abort_after, wait_all=False)
-    _drain(pending, prog, bar, written, abort_after, wait_all=True)
+        pending = _drain(pending, prog, bar, wait_all=False)
+    _drain(pending, prog, bar, wait_all=True)
   bar.close()
 
   for fname in store.CARRIED_FILES:
@@ -261,7 +260,7 @@ def convert(src: str, dst: str, expert_bits: int = 4, group_size: int = 64, mtp_
       mtp_has_head=bool(tree.mtp) and tree.mtp[0].head is not None, experts=group_meta,
       dense=prog.dense)
   prog.close()
-  os.remove(prog.path)
+  store.finish(dst)
   return manifest
 
 
@@ -289,23 +288,27 @@ def _save_dense(parts, ckpt, cfg, dst, ddtype, read, prog, src_bytes, bar) -> No
         else:
           arrays[k] = a.astype(np.float32 if np.dtype(i.dtype) == np.float32 and _keep_f32(i)
                                else ddtype, copy=False)
+      # Saved beside its place and renamed in: a kill mid-save (orbax's own temporary
+      # included) leaves only a temporary, which the rerun's `clear_stale` removes.
       part_dir = os.path.abspath(os.path.join(dst, "dense", pname))
       shutil.rmtree(part_dir, ignore_errors=True)
-      ckptr.save(part_dir, arrays)
+      durable.clear_stale(part_dir)
+      tmp = durable.temp_path(part_dir)
+      ckptr.save(tmp, arrays)
+      durable.kill_point("convert.dense_part")
+      os.rename(tmp, part_dir)
       prog.mark(pname, {k: store.crc(a) for k, a in arrays.items()})
       del arrays
     bar.update(part_bytes)
 
 
-def _drain(pending, prog, bar, written, abort_after, wait_all):
+def _drain(pending, prog, bar, wait_all):
   done, rest = cf.wait(pending, return_when=cf.ALL_COMPLETED if wait_all else cf.FIRST_COMPLETED)
   for fut in done:
     item, nbytes = fut.result()  # re-raises a worker's CheckpointError here
     prog.mark(item)
     bar.update(nbytes)
-    written[0] += 1
-    if abort_after and written[0] >= abort_after:
-      os._exit(137)
+    durable.kill_point("convert.expert_chunk")
   return rest
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config
+from glmjax.formats import durable
 from glmjax.formats.checkpoint import require_finite
 from glmjax.errors import CheckpointError
 from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
@@ -196,11 +197,19 @@ def write_manifest(dst: str, *, quant: dict, source: dict, source_config: dict, 
                     "dense": "zlib crc32 of each array's bytes (below)"},
       "dense": dense, **extra,
   }
-  tmp = os.path.join(dst, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(manifest, f, indent=1)
-  os.replace(tmp, os.path.join(dst, MANIFEST))
+  durable.write_file(os.path.join(dst, MANIFEST), json.dumps(manifest, indent=1),
+                     point="store.manifest")
   return manifest
+
+
+def finish(dst: str) -> None:
+  """Drops the progress log of `dst`, whose manifest is written: the store is complete. A
+  rerun after a kill just before this (the kill point "store.finish") calls it again."""
+  durable.kill_point("store.finish")
+  try:
+    os.remove(os.path.join(dst, PROGRESS))
+  except FileNotFoundError:
+    pass
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 
 from glmjax.errors import CheckpointError, InputError
-from glmjax.formats import embedded, store
+from glmjax.formats import durable, embedded, store
 from glmjax.model.config import Config
 from glmjax.formats.quantize import quantize
 from glmjax.model.weights import DENSE_BITS, DENSE_GROUP_SIZES, MoE, abstract, dense_settings
@@ -312,13 +312,16 @@ def _dense_array(info, rng: np.random.Generator, rank_bias: np.ndarray | None) -
 def _prepare(dst: str, settings: dict, need: int) -> dict | None:
   """Makes `dst` ready to write `need` bytes. Returns the manifest if `dst` already is this very
   store; starts an interrupted synthetic store over; refuses anything else that is not empty,
-  and a disk without room."""
+  and a disk without room. Temporaries of a killed run (`durable.clear_stale`) do not count."""
   reclaim = 0
+  mpath, ppath = os.path.join(dst, store.MANIFEST), os.path.join(dst, store.PROGRESS)
+  for path in (mpath, ppath):
+    durable.clear_stale(path)
   if os.path.isdir(dst) and os.listdir(dst):
-    mpath, ppath = os.path.join(dst, store.MANIFEST), os.path.join(dst, store.PROGRESS)
     if os.path.exists(mpath):
       m = store.read_manifest(dst)
       if m.get("synthetic") == settings:
+        store.finish(dst)  # a kill between the manifest and dropping the progress log
         return m
       raise CheckpointError(f"{dst}: already holds a complete store (with other settings); "
                             "use another --dst or delete it")
@@ -344,8 +347,8 @@ def _prepare(dst: str, settings: dict, need: int) -> dict | None:
     # The converter's progress file (its first line, the settings, in the same shape), so
     # load() reports the store as incomplete and convert.py refuses it as another conversion;
     # the "synthetic" settings mark it as ours.
-    with open(os.path.join(dst, store.PROGRESS), "w", encoding="utf-8") as f:
-      f.write(json.dumps({"settings": {"synthetic": settings}}) + "\n")
+    durable.write_file(ppath, json.dumps({"settings": {"synthetic": settings}}) + "\n",
+                       point="synthetic.progress")
   except OSError as e:
     raise CheckpointError(f"{dst}: destination is not writable ({e.strerror})") from None
   return None
@@ -495,10 +498,12 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
             finished, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
               fut.result()
+              durable.kill_point("synthetic.expert_chunk")
             if dense_future.done():
               dense_future.result()  # a failed dense part stops the run now, not at the end
       for fut in cf.as_completed(pending):
         fut.result()
+        durable.kill_point("synthetic.expert_chunk")
     dense_sums = dense_future.result()
   bar.close()
 
@@ -514,7 +519,7 @@ def make_synthetic_store(dst: str, geometry: str = "glm5", moe_layers: int = 2,
       moe_layers=groups["main"][0], mtp_layers=groups["mtp"][0] if mtp else [],
       mtp_has_head=False,  # the MTP block reuses lm_head, as GLM-5's does
       experts=group_meta, dense=dense_sums, synthetic=settings)
-  os.remove(os.path.join(dst, store.PROGRESS))
+  store.finish(dst)
   return manifest
 
 
@@ -532,6 +537,7 @@ def _write_dense(dst, tree, seed, rank_bias, ocp, advance) -> dict:
                                         else a))
     sums[pname] = {k: store.crc(a) for k, a in arrays.items()}
     ckptr.wait_until_finished()
+    durable.kill_point("synthetic.dense_part")
     ckptr.save(os.path.abspath(os.path.join(dst, "dense", pname)), arrays)
     advance(sum(a.nbytes for a in arrays.values()))
   ckptr.wait_until_finished()

@@ -166,25 +166,28 @@ class Heat:
 
 
 def atomic_write(path: str, write) -> bool:
-  """Writes `path` through a uniquely named temporary file and an atomic rename, so processes
-  sharing a store never see (or clobber) a half-written file. `write(f)` gets a binary file.
-  Returns False (and leaves `path` as it was) when the directory is not writable."""
-  import tempfile
+  """Writes `path` through a uniquely named temporary sibling and an atomic rename
+  (`formats.durable`), so processes sharing a store never see (or clobber) a half-written
+  file, and a temporary left by a killed process (kill point "stats.write") is removed by the
+  next write. `write(f)` gets a binary file. Returns False (and leaves `path` as it was) when
+  the directory is not writable: a read-only store just does not learn across runs."""
+  from glmjax.formats import durable
+  durable.clear_stale(path)
+  tmp = durable.temp_path(path)
   try:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=os.path.basename(path) + ".", suffix=".tmp")
-  except OSError:
-    return False  # a read-only store just does not learn across runs
-  try:
-    with os.fdopen(fd, "wb") as f:
+    with open(tmp, "wb") as f:
       write(f)
+    durable.kill_point("stats.write")
     os.replace(tmp, path)
     return True
   except OSError:
     return False
   finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+    if os.path.lexists(tmp):
+      try:
+        os.unlink(tmp)
+      except OSError:
+        pass
 
 
 def _bits(a):

@@ -24,12 +24,12 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from glmjax.errors import CheckpointError, InputError
+from glmjax.formats import durable
 
 FORMAT = 1
 MANIFEST = "trace.json"
@@ -316,15 +316,17 @@ class TraceWriter:
     self.capacity = max(int(capacity), 1)
     row_bytes = max(np.dtype(DTYPES[n]).itemsize * max(self.L * w, 1) for n, w in widths.items())
     self.chunk_rows = int(chunk_rows or _chunk_rows(row_bytes))
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    self._tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(path)}.tmp-")
+    # Built in a temporary sibling and renamed into place by close() (`formats.durable`; kill
+    # points "trace.created", "trace.flush", "trace.publish"): a killed writer leaves nothing
+    # at `path`, and the next writer of `path` removes its temporary.
+    self._tmp = durable.staging_dir(path)
     self._shapes = {n: ((self.L, w) if w else ()) for n, w in widths.items()}
     try:
       self._arrays = {
           n: ts.open(_spec(os.path.join(self._tmp, n), DTYPES[n], (self.capacity, *shape),
                            self.chunk_rows), create=True).result()
           for n, shape in self._shapes.items()}
+      durable.kill_point("trace.created")
     except BaseException:
       shutil.rmtree(self._tmp, ignore_errors=True)
       raise
@@ -390,6 +392,7 @@ class TraceWriter:
       f.result()
     self._flushed += n
     self._n_buf -= n
+    durable.kill_point("trace.flush")
 
   def close(self) -> None:
     """Finishes the trace and moves it to `path`. Idempotent."""
@@ -405,10 +408,7 @@ class TraceWriter:
                     len(starts)), create=True).result().write(starts).result()
       with open(os.path.join(self._tmp, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(self.manifest, f, indent=1)
-      if os.path.lexists(self.path):
-        raise InputError(f"{self.path}: appeared while the trace was being written")
-      os.chmod(self._tmp, 0o755)  # mkdtemp makes it private; a trace is an ordinary directory
-      os.rename(self._tmp, self.path)
+      durable.publish_dir(self._tmp, self.path, point="trace.publish")
       self._done = True
     except BaseException:
       self.abort()
