@@ -39,10 +39,12 @@ setup(
         # pytest-xdist: the suite runs on two workers, a file per worker (module fixtures stay
         # built once). nbclient + ipykernel execute notebooks/quickstart.ipynb in a kernel;
         # matplotlib draws its inline plot (also a runtime dependency, listed so the notebook
-        # test's needs stand together). openai and lm-eval (its API models): clients no one
-        # here wrote, which the server is tested with.
+        # test's needs stand together). openai, anthropic and lm-eval (its API models): clients
+        # no one here wrote, which the server is tested with (anthropic ≥ 2: the SDK whose
+        # dated anthropic-version header the tests meet); jsonschema checks tool-call arguments
+        # against their schema independently of the server.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0",
                  "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8", "openai>=1.40",
-                 "lm-eval[api]==0.4.13"],
+                 "anthropic>=2.0", "jsonschema>=4.0", "lm-eval[api]==0.4.13"],
     },
 )

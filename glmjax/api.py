@@ -332,7 +332,7 @@ class ChatSession:
     `sampling` takes generate's keywords: temperature, seed, top_k, top_p, min_p,
     repetition_penalty, stop_ids, stop, on_token, on_text.
     """
-    from glmjax.decoding import text
+    from glmjax.decoding import glm_format, text
     model = self.model
     model._check_open()
     known = ("temperature", "seed", "top_k", "top_p", "min_p", "repetition_penalty", "stop_ids",
@@ -367,6 +367,8 @@ class ChatSession:
     self._feeds.append((common, prompt, result.tokens[:-1]))
     result.stats["reused_tokens"] = float(common)
     self.messages = messages + [{"role": "assistant", "content": result.text}]
+    result.reasoning, result.content = glm_format.split_reasoning(result.text,
+                                                                  self.enable_thinking)
     return result
 
   def _rebuild(self) -> None:

@@ -123,6 +123,29 @@ def summary(result, memory=None) -> str:
   return line + f" | {s['decode_tok_s']:.1f} tok/s{compiled}"
 
 
+class ChatPrinter:
+  """Prints a chat reply as it streams; with thinking on, the reasoning under a `thinking:`
+  heading and the answer under `answer:`, so the two read apart."""
+
+  def __init__(self, thinking: bool):
+    from glmjax.decoding.glm_format import OutputSplitter
+    self.split = OutputSplitter(thinking=thinking) if thinking else None
+    self.heading = None
+
+  def show(self, piece: str | None) -> None:
+    """Prints `piece`; None at the end of the reply prints what the reader held back."""
+    if self.split is None:
+      print(piece or "", end="", flush=True)
+      return
+    d = self.split.feed(piece) if piece is not None else self.split.finish()
+    for heading, part in (("thinking", d.reasoning), ("answer", d.content)):
+      if part:
+        if heading != self.heading:
+          print(("\n" if self.heading else "") + f"{heading}: ", end="")
+          self.heading = heading
+        print(part, end="", flush=True)
+
+
 def run(model) -> None:
   kw = dict(sampling_kwargs(model), seed=FLAGS.seed, stop=FLAGS.stop)
   if FLAGS.chat:
@@ -135,8 +158,9 @@ def run(model) -> None:
         break
       if not user.strip():
         break
-      r = session.send(user, FLAGS.max_new_tokens, on_text=lambda t: print(t, end="", flush=True),
-                       **kw)
+      printer = ChatPrinter(FLAGS.think)
+      r = session.send(user, FLAGS.max_new_tokens, on_text=printer.show, **kw)
+      printer.show(None)
       print(f"\n[{summary(r, model.memory)}]", flush=True)
     return
   if FLAGS.prompt_ids is not None:

@@ -36,11 +36,15 @@ class GenerationResult:
       prefill_expert_bytes, io_service_s, io_wait_s, misses_layer_N, ...), over this call.
     stop_reason: "stop_token", "stop_string" or "max_new_tokens".
     text: the decoded new text (None without a tokenizer), cut before a matched stop string.
+    reasoning, content: a chat turn's text apart (`ChatSession.send`): the reasoning before
+      `</think>` (None when thinking is off) and the answer after it.
   """
   tokens: list[int]
   stats: dict[str, float]
   stop_reason: str = "max_new_tokens"
   text: str | None = None
+  reasoning: str | None = None
+  content: str | None = None
 
 
 MAX_SEED = 2 ** 63  # seeds are int64 PRNG keys: 0 ≤ seed < 2**63

@@ -12,10 +12,15 @@ import datetime
 import functools
 import json
 import os
+import re
+import threading
+import time
+import uuid
 from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
+from glmjax.decoding import glm_format
 from glmjax.errors import InputError
 
 GLM_SPECIAL_TOKENS = (
@@ -62,6 +67,7 @@ class Tokenizer:
     self.config = dict(config or {})
     self.generation_config = dict(generation_config or {})
     self.chat_template = chat_template
+    self._plain: tokenizers.Tokenizer | None = None
 
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -88,6 +94,19 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; special-token strings in it map to their ids, none are added."""
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_plain(self, text: str) -> list[int]:
+    """Token ids of `text` read as plain text: a special token's spelling in it is encoded as
+    the characters it is made of, never as the control id (user text is text)."""
+    if self._plain is None:  # a copy of the tokenizer that splits special tokens
+      self._plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+      self._plain.encode_special_tokens = True
+    return self._plain.encode(text, add_special_tokens=False).ids
+
+  @property
+  def added_tokens(self) -> list[str]:
+    """Every added token's text (the strings `encode` maps to their own ids)."""
+    return [t.content for t in self._tok.get_added_tokens_decoder().values()]
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """Text of `ids`; special tokens are kept unless `skip_special_tokens`."""
@@ -242,6 +261,14 @@ class StopMatcher:
 
 # --- chat ------------------------------------------------------------------------------------
 
+# Bounds on rendering a chat template: a template (or messages that drive its loops) must not
+# hold a server's worker for long or fill its memory. Checked at every call, attribute and
+# item access the template makes and at every piece of output.
+MAX_RENDER_S = 5.0
+MAX_RENDER_CHARS = 64 << 20
+_render_deadline = threading.local()
+
+
 def _raise_exception(message):
   import jinja2
   raise jinja2.exceptions.TemplateError(message)
@@ -253,16 +280,71 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
                     sort_keys=sort_keys)
 
 
+def _check_deadline() -> None:
+  deadline = getattr(_render_deadline, "at", None)
+  if deadline is not None and time.monotonic() > deadline:
+    raise TokenizerError(f"the chat template took longer than {MAX_RENDER_S} s to render")
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
   import jinja2.ext
   from jinja2.sandbox import ImmutableSandboxedEnvironment
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
+
+  class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with the render deadline checked at each call and lookup."""
+
+    def call(self, context, obj, /, *args, **kwargs):
+      _check_deadline()
+      return super().call(context, obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+      _check_deadline()
+      return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+      _check_deadline()
+      return super().getitem(obj, argument)
+
+  env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                           extensions=[jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
   return env.from_string(template)
+
+
+def _render(template: str, variables: dict) -> str:
+  """`template` rendered within MAX_RENDER_S and MAX_RENDER_CHARS; a template's own error
+  (raise_exception, an undefined name) is a TokenizerError naming it."""
+  import jinja2
+  _render_deadline.at = time.monotonic() + MAX_RENDER_S
+  out, size = [], 0
+  try:
+    for piece in _compile(template).generate(**variables):
+      size += len(piece)
+      if size > MAX_RENDER_CHARS:
+        raise TokenizerError(f"the chat template's output exceeds {MAX_RENDER_CHARS} characters")
+      _check_deadline()
+      out.append(piece)
+  except jinja2.TemplateError as e:
+    raise TokenizerError(f"the chat template refused these messages: {e}") from None
+  finally:
+    _render_deadline.at = None
+  return "".join(out)
+
+
+def _split_think(m: dict) -> dict:
+  """An assistant turn whose content still holds `…</think>answer` (a reply sent back as it
+  came) gets its reasoning apart, as templates and the built-in layout expect it."""
+  content = m.get("content")
+  if (m.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content
+      or "reasoning_content" in m):
+    return m
+  reasoning, _, answer = content.partition("</think>")
+  reasoning = reasoning.split("<think>")[-1].strip("\n")
+  return {**m, "content": answer.lstrip("\n"), "reasoning_content": reasoning,
+          "thinking": reasoning}
 
 
 def _normalise(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -277,7 +359,7 @@ def _normalise(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
     if reasoning is not None:
       m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-    out.append(m)
+    out.append(_split_think(m))
   return out
 
 
@@ -294,14 +376,47 @@ _BUILTIN_ROLES = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|as
                   "tool": "<|observation|>", "observation": "<|observation|>"}
 
 
-def _builtin_chat(messages: list[dict], add_generation_prompt: bool, enable_thinking: bool) -> str:
+def _builtin_calls(m: dict, where: str) -> str:
+  """An assistant turn's tool calls in GLM's layout (OpenAI's {"function": {name, arguments}}
+  or a flat {name, arguments}; arguments a mapping or its JSON text)."""
+  out = []
+  for j, call in enumerate(m.get("tool_calls") or ()):
+    fn = call.get("function", call) if isinstance(call, Mapping) else None
+    args = fn.get("arguments", {}) if isinstance(fn, Mapping) else None
+    if isinstance(args, str):
+      try:
+        args = json.loads(args)
+      except ValueError:
+        args = None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or \
+        not isinstance(args, Mapping):
+      raise TokenizerError(f"{where}.tool_calls[{j}]: needs a name and a JSON object of "
+                           "arguments")
+    out.append(glm_format.render_tool_call(fn["name"], args))
+  return "".join(out)
+
+
+def _builtin_chat(messages: list[dict], add_generation_prompt: bool, enable_thinking: bool,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
   parts = ["[gMASK]<sop>"]
+  if tools:
+    parts.append("<|system|>" + glm_format.render_tools(tools))
+  previous = None
   for i, m in enumerate(messages):
-    tag = _BUILTIN_ROLES.get(m["role"])
+    role, where = m["role"], f"messages[{i}]"
+    tag = _BUILTIN_ROLES.get(role)
     if tag is None:
-      raise TokenizerError(
-          f"messages[{i}]: role {m['role']!r} is not one of {sorted(_BUILTIN_ROLES)}")
-    parts.append(tag + _content_text(m.get("content", ""), f"messages[{i}]"))
+      raise TokenizerError(f"{where}: role {role!r} is not one of {sorted(_BUILTIN_ROLES)}")
+    content = _content_text(m.get("content", ""), where)
+    if role == "tool":  # consecutive results share one observation turn
+      parts.append(("" if previous == "tool" else tag) +
+                   f"<tool_response>{content}</tool_response>")
+    elif role == "assistant":
+      think = f"<think>{m['reasoning_content']}</think>" if "reasoning_content" in m else ""
+      parts.append(tag + think + content + _builtin_calls(m, where))
+    else:
+      parts.append(tag + content)
+    previous = role
   if add_generation_prompt:
     parts.append("<|assistant|>" + ("<think>" if enable_thinking else "<think></think>"))
   return "".join(parts)
@@ -314,25 +429,79 @@ def render_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
 
   With a chat template (tokenizer_config.json or chat_template.jinja) this renders it as
   transformers' apply_chat_template(..., tokenize=False) does, with `enable_thinking` and any
-  `template_kwargs` as template variables. Without one it builds the GLM-5 layout:
-  `[gMASK]<sop><|user|>...<|assistant|><think></think>` (`<think>` when thinking is on).
+  `template_kwargs` as template variables, within MAX_RENDER_S and MAX_RENDER_CHARS. Without one
+  it builds the GLM-5 layout: `[gMASK]<sop><|user|>...<|assistant|><think></think>` (`<think>`
+  when thinking is on), `tools` in a system turn and calls and results in GLM's tags.
   """
   messages = _normalise(messages)
   if tokenizer.chat_template is None:
-    return _builtin_chat(messages, add_generation_prompt, enable_thinking)
+    return _builtin_chat(messages, add_generation_prompt, enable_thinking, tools)
+  if tools and "tools" not in tokenizer.chat_template:
+    raise TokenizerError("this model's chat template does not render tools")
   variables = {**tokenizer.special_tokens_map, "enable_thinking": enable_thinking,
                **template_kwargs}
-  return _compile(tokenizer.chat_template).render(
+  return _render(tokenizer.chat_template, dict(
       messages=messages, tools=None if tools is None else list(tools), documents=None,
-      add_generation_prompt=add_generation_prompt, **variables)
+      add_generation_prompt=add_generation_prompt, **variables))
+
+
+class _Masks:
+  """Stands in for added-token spellings in the caller's strings while a template renders, so
+  that afterwards only the template's own structure is read as control tokens. A mark is
+  `[[nonce:i]]`, the nonce fresh per chat: text cannot forge one, and no template filter that
+  trims or escapes JSON changes it."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    specials = sorted(set(tokenizer.added_tokens), key=len, reverse=True)
+    self.pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+    self.nonce = uuid.uuid4().hex
+    self.mark = re.compile(r"\[\[" + self.nonce + r":(\d+)\]\]")
+    self.originals: list[str] = []
+
+  def hide(self, x):
+    """`x` (strings inside lists and dicts) with every added-token spelling marked."""
+    if self.pattern is None:
+      return x
+    if isinstance(x, str):
+      return self.pattern.sub(self._mark, x)
+    if isinstance(x, Mapping):
+      return {k: self.hide(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [self.hide(v) for v in x]
+    return x
+
+  def _mark(self, m: re.Match) -> str:
+    self.originals.append(m.group())
+    return f"[[{self.nonce}:{len(self.originals) - 1}]]"
+
+  def encode(self, rendered: str, tokenizer: Tokenizer) -> list[int]:
+    """Ids of `rendered`: the added tokens it spells itself become their ids; the text between
+    them, the marked spellings restored, is encoded as plain text."""
+    ids, pos = [], 0
+    for m in (self.pattern.finditer(rendered) if self.pattern is not None else ()):
+      ids += self._plain(rendered[pos:m.start()], tokenizer)
+      ids.append(tokenizer.token_id(m.group()))
+      pos = m.end()
+    return ids + self._plain(rendered[pos:], tokenizer)
+
+  def _plain(self, text: str, tokenizer: Tokenizer) -> list[int]:
+    text = self.mark.sub(lambda m: self.originals[int(m.group(1))], text)
+    return tokenizer.encode_plain(text) if text else []
 
 
 def encode_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
                 add_generation_prompt: bool = True, enable_thinking: bool = False,
+                tools: Sequence[Mapping[str, Any]] | None = None, reply_prefix: str = "",
                 **kwargs) -> list[int]:
-  """Token ids of `render_chat(...)`; role and control tokens become their single special ids."""
-  return tokenizer.encode(render_chat(messages, tokenizer, add_generation_prompt, enable_thinking,
-                                      **kwargs))
+  """Token ids of `render_chat(...)` + `reply_prefix` (the start of the reply, written by the
+  caller): the template's role and control tokens become their single ids, while a special
+  token spelled inside a message or a tool definition stays plain text (it cannot forge a
+  turn)."""
+  masks = _Masks(tokenizer)
+  rendered = render_chat(masks.hide(_normalise(messages)), tokenizer, add_generation_prompt,
+                         enable_thinking, tools=None if tools is None else masks.hide(tools),
+                         **kwargs)
+  return masks.encode(rendered + reply_prefix, tokenizer)
 
 
 # --- training small tokenizers ---------------------------------------------------------------

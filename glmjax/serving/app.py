@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP server: a Starlette app over the continuous-batching scheduler.
 
-  POST /v1/chat/completions   the model's own chat template (as Model.chat), stream or not
+  POST /v1/chat/completions   the model's own chat template (as Model.chat), stream or not;
+                              tools, tool calls and reasoning (glmjax.serving.chat)
   POST /v1/completions        prompts as text or token ids, one or a batch; echo and logprobs
+  POST /v1/messages           Anthropic's Messages API (glmjax.serving.anthropic); and
+       /v1/messages/count_tokens
   GET  /v1/models             the one served model
   GET  /tokenizer_info        eos/bos/pad tokens and the chat template (lm-eval's probe)
   POST /tokenize, /detokenize text ↔ token ids with the model's tokenizer
@@ -31,7 +34,7 @@ from starlette.routing import Route
 
 from glmjax.decoding import sampling
 from glmjax.errors import GlmjaxError, InputError, PeerError
-from glmjax.serving import protocol
+from glmjax.serving import anthropic, chat, fields, protocol
 from glmjax.serving.guard import Guard
 from glmjax.serving.protocol import ApiError
 from glmjax.serving.scheduler import Job, QueueFull, ServerDown
@@ -72,14 +75,12 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   def token_text(t: int) -> str:
     return tok.decode([t])
 
-  def encode(kind: str, body: dict) -> list[tuple[np.ndarray, str]]:
+  def encode(kind: str, body: dict,
+             req: chat.ChatRequest | None) -> list[tuple[np.ndarray, str]]:
     """(token ids, text) per prompt: the chat's templated messages, or each completion prompt."""
-    from glmjax.decoding import text
     try:
       if kind == "chat":
-        ids = text.encode_chat(protocol.messages(body), tok, add_generation_prompt=True,
-                               enable_thinking=False)
-        return [(model.check_tokens(ids), "")]
+        return [(model.check_tokens(req.encode(tok)), "")]
       out = []
       for p in protocol.prompts(body):
         ids = model.check_tokens(tok.encode(p) if isinstance(p, str) else p)
@@ -88,65 +89,88 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
     except GlmjaxError as e:
       raise ApiError(400, str(e), "messages" if kind == "chat" else "prompt") from None
 
-  def plan(kind: str, body: dict) -> tuple[list[dict], bool, bool]:
-    """The request's choices (prompt ids, text, settings, index), stream and include_usage:
-    all checks on a worker thread, before anything is queued."""
+  def plan(kind: str, body: dict) -> tuple[list[dict], bool, bool, chat.ChatRequest | None]:
+    """The request's choices (prompt ids, text, settings, index), stream, include_usage and
+    the chat request: all checks on a worker thread, before anything is queued."""
+    fields.check(body, fields.CHAT if kind == "chat" else fields.COMPLETION,
+                 fields.OPENAI_IGNORED)
     protocol.check_model(body, name)
     stream = protocol.stream_flag(body)
     usage = protocol.include_usage(body)
-    prompts = encode(kind, body)
+    req = chat.request(body, tok) if kind == "chat" else None
+    prompts = encode(kind, body, req)
     n = protocol.choices_per_prompt(body, len(prompts))
     choices = []
     for p, (ids, text) in enumerate(prompts):
-      settings = protocol.sampling(body, len(ids), scheduler.context, DEFAULT_MAX_TOKENS[kind],
-                                   defaults)
-      try:  # the sampler's own checks, before the request takes a place in the queue
-        sampling.SamplingParams(settings["temperature"], 0, settings["top_p"], 0.0, 1.0)
-      except GlmjaxError as e:
-        raise ApiError(400, str(e)) from None
+      settings = checked_sampling(body, len(ids), DEFAULT_MAX_TOKENS[kind],
+                                  req.stops if req is not None else [])
       for j in range(n):  # choice j of a prompt samples with seed + j
         choices.append(dict(ids=ids, text=text, index=p * n + j, first=j == 0, settings={
             **settings, "seed": (settings["seed"] + j) % protocol.MAX_SEED}))
-    return choices, stream, usage
+    return choices, stream, usage, req
+
+  def checked_sampling(body: dict, n_prompt: int, default_max: int, own_stops: list) -> dict:
+    settings = protocol.sampling(body, n_prompt, scheduler.context, default_max, defaults,
+                                 own_stops)
+    try:  # the sampler's own checks, before the request takes a place in the queue
+      sampling.SamplingParams(settings["temperature"], settings["top_k"], settings["top_p"],
+                              settings["min_p"], settings["repetition_penalty"])
+    except GlmjaxError as e:
+      raise ApiError(400, str(e)) from None
+    return settings
+
+  async def submit(choices: list[dict], echo: bool = False) -> list[Job]:
+    """Queues the choices as jobs sharing one event queue (a 429 when full, a 503 when the
+    scheduler is down); on a refusal the ones already queued are cancelled."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    jobs = [Job(c["ids"], c["settings"], loop, queue, c["index"], echo, c["first"])
+            for c in choices]
+    try:
+      for job in jobs:
+        scheduler.submit(job)
+    except (QueueFull, ServerDown, InputError) as e:
+      for job in jobs:
+        job.cancel()
+      if isinstance(e, QueueFull):
+        raise ApiError(429, str(e), None, "queue_full", "rate_limit_error") from None
+      if isinstance(e, ServerDown):
+        raise ApiError(503, str(e), None, "server_down", "server_error") from None
+      # more than the batch can ever hold: its context or KV budget
+      raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
+    return jobs
 
   async def complete(request: Request, kind: str):
     jobs: list[Job] = []
     try:
       guard.admit(request)
       body = await guard.json_body(request)
-      choices, stream, usage = await run_in_threadpool(plan, kind, body)
-      queue: asyncio.Queue = asyncio.Queue()
-      loop = asyncio.get_running_loop()
-      jobs = [Job(c["ids"], c["settings"], loop, queue, c["index"], protocol.echo(body),
-                  c["first"]) for c in choices]
-      try:
-        for job in jobs:
-          scheduler.submit(job)
-      except QueueFull as e:
-        raise ApiError(429, str(e), None, "queue_full", "rate_limit_error") from None
-      except ServerDown as e:
-        raise ApiError(503, str(e), None, "server_down", "server_error") from None
-      except InputError as e:  # more than the batch can ever hold: its context or KV budget
-        raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
+      choices, stream, usage, req = await run_in_threadpool(plan, kind, body)
+      jobs = await submit(choices, protocol.echo(body))
     except ApiError as e:
-      for job in jobs:
-        job.cancel()  # the choices queued before the refusal
       return _error(e)
     reply = protocol.Reply(kind, name, token_text)
     texts = {c["index"]: c["text"] for c in choices}
+    replies = None  # chat: each choice's reader of reasoning, answer and tool calls
+    if req is not None:
+      replies = {c["index"]: chat.ChoiceReply(req, tok.end_think_id) for c in choices}
     if stream:
-      return StreamingResponse(_events(jobs, reply, usage, texts),
+      return StreamingResponse(_events(jobs, reply, usage, texts, replies),
                                media_type="text/event-stream")
     try:
       summaries = []
       while len(summaries) < len(jobs):
-        event = await _next_event(queue, request)
+        event = await _next_event(jobs[0].queue, request)
         if event is None:
           return _error(ApiError(499, "the client went away", None, "client_closed"))
         kind_, value, index = event
         if kind_ == "done":
-          summaries.append({**value, "prompt_text": texts[index], "echo_text":
-                            texts[index] if value["echo"] else ""})
+          summary = {**value, "prompt_text": texts[index],
+                     "echo_text": texts[index] if value["echo"] else ""}
+          if replies is not None:
+            replies[index].feed(value["text"])
+            replies[index].finish(summary)
+          summaries.append(summary)
         elif kind_ == "error":
           return _error(_failure(value))
       return JSONResponse(reply.whole(summaries))
@@ -154,11 +178,21 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       for job in jobs:
         job.cancel()  # a no-op once done; frees the rows if the client went away or one failed
 
-  async def chat(request: Request):
+  async def chat_completions(request: Request):
     return await complete(request, "chat")
 
   async def completions(request: Request):
     return await complete(request, "completion")
+
+  served = anthropic.Served(name, tok, guard, model.check_tokens,
+                            lambda body, n, default_max, stops: checked_sampling(
+                                body, n, default_max, stops), submit, _next_event, _failure)
+
+  async def messages(request: Request):
+    return await anthropic.messages(request, served)
+
+  async def count_tokens(request: Request):
+    return await anthropic.messages(request, served, count_only=True)
 
   async def guarded(request: Request, answer, needs_body: bool = True):
     try:
@@ -197,8 +231,10 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
                            f"{getattr(exc, 'detail', 'not found')}", None, "not_found"))
 
   app = Starlette(routes=[
-      Route("/v1/chat/completions", chat, methods=["POST"]),
+      Route("/v1/chat/completions", chat_completions, methods=["POST"]),
       Route("/v1/completions", completions, methods=["POST"]),
+      Route("/v1/messages", messages, methods=["POST"]),
+      Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
       Route("/v1/models", models, methods=["GET"]),
       Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
       Route("/tokenize", tokenize, methods=["POST"]),
@@ -237,11 +273,13 @@ def _sse(obj) -> str:
 
 
 async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool,
-                  texts: dict[int, str]):
+                  texts: dict[int, str], replies: dict | None = None):
   """The server-sent events of a request's choices, each chunk naming its choice; a text chunk
   carries the logprobs of the tokens scored since the last one (with echo, the first chunk is
-  the prompt and its logprobs). Cancels the choices when the client disconnects (Starlette
-  then cancels the stream, which runs the `finally`)."""
+  the prompt and its logprobs). Chat text goes through each choice's `replies` reader
+  (glmjax.serving.chat.ChoiceReply): reasoning, answer and whole tool calls apart, text it
+  holds back (a call not closed yet) sent later with its tokens' logprobs. Cancels the choices
+  when the client disconnects (Starlette then cancels the stream, which runs the `finally`)."""
   queue = jobs[0].queue
   opened, summaries = set(), []
   pending = {job.index: [] for job in jobs}  # scored tokens whose text has not gone out yet
@@ -265,13 +303,16 @@ async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool,
                                logprobs=logprobs(index, value, at=0)))
         opened.add(index)
       elif kind == "start" or (kind == "text" and value):
-        yield _sse(reply.chunk(value, index, index not in opened, logprobs=logprobs(index)))
-        opened.add(index)
+        piece = replies[index].feed(value) if replies is not None and value else value
+        if kind == "start" or piece:
+          yield _sse(reply.chunk(piece, index, index not in opened, logprobs=logprobs(index)))
+          opened.add(index)
       elif kind == "done":
         summaries.append(value)
         if reply.chat and pending[index] and len(value["scores"]) > len(value["tokens"]):
           pending[index] = pending[index][:-1]  # the stop token is not content
-        yield _sse(reply.chunk(None, index, index not in opened, value, logprobs(index)))
+        last = replies[index].finish(value) if replies is not None else None
+        yield _sse(reply.chunk(last, index, index not in opened, value, logprobs(index)))
       else:
         yield _sse(_failure(value).body)
         break

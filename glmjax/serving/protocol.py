@@ -15,6 +15,8 @@ _TEMPERATURE = (0.0, 2.0)
 MAX_LOGPROBS = 20  # alternatives per position (vLLM's default --max-logprobs)
 MAX_CHOICES = 16  # prompts × n in one request: each choice takes a batch row
 MAX_SEED = 2 ** 63  # the PRNG key is an int64
+MAX_TOP_K = 256  # glmjax.decoding.sampling.PRESELECT: larger ks compile a sampler each
+MAX_REPETITION_PENALTY = 10.0
 
 
 class ApiError(Exception):
@@ -76,10 +78,11 @@ def _stops(body: dict) -> list[str]:
 
 
 def sampling(body: dict, n_prompt: int, context: int, default_max: int,
-             defaults: dict | None = None) -> dict:
+             defaults: dict | None = None, own_stops: list[str] | None = None) -> dict:
   """The checked sampling settings of a request (`glmjax.decoding.generation.new_request`
   keywords) for a prompt of `n_prompt` tokens in a `context`-token window; unset temperature
-  and top_p take `defaults` (the model's generation_config; OpenAI's 1.0 without)."""
+  and top_p take `defaults` (the model's generation_config; OpenAI's 1.0 without).
+  `own_stops`: the server's stop strings, after the client's."""
   defaults = defaults or {}
   if n_prompt >= context:
     raise ApiError(400, f"the prompt is {n_prompt} tokens; this model's context is {context} "
@@ -101,9 +104,19 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
               temperature=_number(body, "temperature", defaults.get("temperature", 1.0),
                                   *_TEMPERATURE),
               top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
-              seed=seed, stop=_stops(body),
+              seed=seed, stop=_stops(body) + list(own_stops or ()),
+              top_k=_top_k(body), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+              repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0,
+                                         MAX_REPETITION_PENALTY, lo_open=True),
               presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
+
+
+def _top_k(body: dict) -> int:
+  """`top_k`: 0 or -1 (vLLM's spelling) is off. Values up to the sampler's pre-selection run in
+  the one compiled sampler; a larger k would compile a sampler of its own for each value."""
+  k = _int(body, "top_k", 0, -1, MAX_TOP_K)
+  return 0 if k == -1 else k
 
 
 def stream_flag(body: dict) -> bool:
@@ -157,33 +170,6 @@ def check_model(body: dict, served: str) -> None:
                    "model", "model_not_found")
 
 
-def messages(body: dict) -> list[dict]:
-  """The chat messages as the chat template takes them: role and text content."""
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs:
-    raise ApiError(400, "messages must be a non-empty list", "messages", "invalid_type")
-  out = []
-  for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-      raise ApiError(400, f"messages[{i}] must be an object with a string role",
-                     f"messages[{i}]", "invalid_type")
-    if m["role"] not in ("system", "user", "assistant"):
-      raise ApiError(400, f"messages[{i}].role {m['role']!r} is not supported (system, user, "
-                     "assistant)", f"messages[{i}].role", "invalid_value")
-    content = m.get("content")
-    if isinstance(content, list):  # text parts only
-      if not all(isinstance(p, dict) and p.get("type") == "text" and
-                 isinstance(p.get("text"), str) for p in content):
-        raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                       f"messages[{i}].content", "invalid_type")
-      content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-      raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content",
-                     "invalid_type")
-    out.append({"role": m["role"], "content": content})
-  return out
-
-
 def _token_ids(p) -> bool:
   return (isinstance(p, list) and bool(p) and
           all(isinstance(t, int) and not isinstance(t, bool) for t in p))
@@ -212,6 +198,9 @@ def usage(summaries: list[dict]) -> dict:
          "total_tokens": prompt + completion}
   cached = sum(s.get("cached_tokens", 0) for s in summaries if s["first_of_prompt"])
   out["prompt_tokens_details"] = {"cached_tokens": cached}
+  if any("reasoning_tokens" in s for s in summaries):  # chat replies
+    out["completion_tokens_details"] = {
+        "reasoning_tokens": sum(s.get("reasoning_tokens", 0) for s in summaries)}
   return out
 
 
@@ -237,8 +226,8 @@ class Reply:
     return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
   def _choice(self, s: dict) -> dict:
-    if self.chat:
-      return {"index": s["index"], "message": {"role": "assistant", "content": s["text"]},
+    if self.chat:  # the message as glmjax.serving.chat.ChoiceReply read it
+      return {"index": s["index"], "message": s["message"],
               "finish_reason": s["finish_reason"], "logprobs": self._chat_logprobs(s)}
     return {"index": s["index"], "text": s.get("echo_text", "") + s["text"],
             "finish_reason": s["finish_reason"], "logprobs": self._completion_logprobs(s)}
@@ -251,15 +240,15 @@ class Reply:
             "glmjax": telemetry(summaries[0]) if len(summaries) == 1 else
             [telemetry(s) for s in summaries]}
 
-  def chunk(self, piece: str | None, index: int = 0, first: bool = False,
+  def chunk(self, piece: str | dict | None, index: int = 0, first: bool = False,
             summary: dict | None = None, logprobs: dict | None = None) -> dict:
-    """A stream chunk of choice `index` with text `piece` (and the `logprobs` of its tokens);
-    its last one (with `summary`) carries the finish reason and telemetry."""
+    """A stream chunk of choice `index` with text `piece` (chat: the delta's fields, as
+    glmjax.serving.chat.ChoiceReply gives them) and the `logprobs` of its tokens; its last one
+    (with `summary`) carries the finish reason and telemetry."""
     reason = summary["finish_reason"] if summary else None
     if self.chat:
       delta: dict[str, Any] = {"role": "assistant"} if first else {}
-      if piece:
-        delta["content"] = piece
+      delta.update(piece or {})
       choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
       body = self._base("chat.completion.chunk")
     else:

@@ -82,6 +82,7 @@ class Job:
                prompt_tokens=int(len(self.prompt_ids)), completion_tokens=n_out,
                finish_reason="length" if req.reason == "max_new_tokens" else "stop",
                text="".join(req.pieces), tokens=list(req.out), logprobs=req.logprobs,
+               stop_matched=req.matcher.matched if req.matcher is not None else None,
                scores=list(req.scores), prompt_ids=[int(t) for t in self.prompt_ids],
                prompt_scores=self.prompt_scores, cached_tokens=req.cached_tokens,
                ttft_s=first - self.t_submit, latency_s=now - self.t_submit,
