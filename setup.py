@@ -32,6 +32,9 @@ setup(
         "matplotlib>=3.8",
         "starlette>=0.40",  # the OpenAI-compatible server (glmjax.serving) and its ASGI server
         "uvicorn>=0.30",
+        # Structured output (glmjax.decoding.grammar): token masks for JSON schemas and GLM's
+        # tool-call layout, computed lazily per step, so a schema new to the server costs ms.
+        "llguidance>=1.9,<2",
     ],
     extras_require={
         # The reference implementation for parity tests: transformers' GlmMoeDsaForCausalLM on a
@@ -42,9 +45,10 @@ setup(
         # test's needs stand together). openai, anthropic and lm-eval (its API models): clients
         # no one here wrote, which the server is tested with (anthropic ≥ 2: the SDK whose
         # dated anthropic-version header the tests meet); jsonschema checks tool-call arguments
-        # against their schema independently of the server.
+        # against their schema independently of the server; pydantic: the models
+        # `chat.completions.parse` reads replies into.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0",
                  "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8", "openai>=1.40",
-                 "anthropic>=2.0", "jsonschema>=4.0", "lm-eval[api]==0.4.13"],
+                 "pydantic>=2", "anthropic>=2.0", "jsonschema>=4.0", "lm-eval[api]==0.4.13"],
     },
 )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.decoding.generation import GenerationResult, new_request, run_request
+from glmjax.decoding.grammar import GrammarSpec
 from glmjax.decoding.pages import KVLayout, KVPool
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
@@ -181,7 +182,7 @@ class Model:
                stop: Sequence[str] = (), on_token: Callable[[int], None] | None = None,
                on_text: Callable[[str], None] | None = None, draft: int | str = 0,
                on_round: Callable[[dict], None] | None = None,
-               trace: str | None = None) -> GenerationResult:
+               trace: str | None = None, json_schema: dict | None = None) -> GenerationResult:
     """Generates up to `max_new_tokens` after `prompt_tokens` (ids, or text when the model has a
     tokenizer).
 
@@ -200,6 +201,10 @@ class Model:
     `glmjax.replay.simulate(trace, "engine", ...)` can replay a plain run (a speculative run's
     MTP layer shares the tiers and is not in the trace).
 
+    `json_schema` constrains the output to JSON valid under that schema (bounds included), by a
+    grammar's token mask (glmjax.decoding.grammar); a schema it cannot take is an InputError
+    naming the field. Such a request does not draft.
+
     The request takes the KV pages its prompt and new tokens need from `Model.kv` and gives
     them back at the end; a context that memory cannot hold is refused before anything is
     allocated.
@@ -216,7 +221,9 @@ class Model:
     if draft and not self.weights.mtp:
       raise InputError(f"{self.path}: draft={draft!r} needs an MTP layer; this model has none")
     request = new_request(self, prompt_ids, max_new_tokens, temperature, seed, top_k, top_p,
-                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text)
+                          min_p, repetition_penalty, stop_ids, stop, on_token, on_text,
+                          grammar=None if json_schema is None else GrammarSpec(
+                              "json", json_schema, field="json_schema"))
     pool = self.kv
     n = len(prompt_ids)
     # With the prefix cache: cached full pages of the prompt (never its last token, whose

@@ -5,6 +5,7 @@
   python scripts/bench_server.py --model=/tmp/store --host_cache_gb=0.002 --device_cache_gb=0
   python scripts/bench_server.py --url=http://127.0.0.1:8000   # a server already running
   python scripts/bench_server.py --workload=prefix     # prefix cache on against off
+  python scripts/bench_server.py --workload=grammar    # time per token under a JSON schema
 
 Without --url it starts a server in-process on a free loopback port. Each of --clients threads
 sends --requests streaming completions one after another (both capped); before that, the same
@@ -30,7 +31,8 @@ import urllib.parse
 from absl import app, flags, logging
 
 from glmjax import cli
-from glmjax.bench.server import PROMPTS, http_json, one_request, phase, prefix_phase, prefix_workload
+from glmjax.bench.server import (PROMPTS, grammar_phase, http_json, one_request, phase,
+                                 prefix_phase, prefix_workload)
 
 MAX_CLIENTS, MAX_REQUESTS = 64, 100  # the load is bounded whatever the flags say
 
@@ -48,10 +50,12 @@ cli.define_load_flags(  # the in-process server's model
     only=("prefill_chunk", "max_context", "device_cache_gb", "host_cache_gb", "prefetch"),
     defaults={"max_context": 256}, notes={"max_context": "Here: the batch's cache length."})
 flags.DEFINE_string("json", None, "Also write the JSON report here.")
-flags.DEFINE_enum("workload", "stream", ["stream", "prefix"], "stream: the clients' streaming "
-                  "completions; prefix: 8 contexts of 768 tokens × 4 continuations (token-id "
-                  "prompts, max_tokens 8 unless set) with the prefix cache and without, each on "
-                  "its own in-process server (--max_context raised to 1024).")
+flags.DEFINE_enum("workload", "stream", ["stream", "prefix", "grammar"], "stream: the clients' "
+                  "streaming completions; prefix: 8 contexts of 768 tokens × 4 continuations "
+                  "(token-id prompts, max_tokens 8 unless set) with the prefix cache and "
+                  "without, each on its own in-process server (--max_context raised to 1024); "
+                  "grammar: --requests chat completions under a JSON schema, each beside the "
+                  "same request free, from one client: decode ms per token, medians.")
 
 
 def _start_server(prefix_cache: bool = True, max_context: int | None = None):
@@ -103,6 +107,27 @@ def prefix_report() -> dict:
   return report
 
 
+def grammar_report() -> int:
+  """The grammar workload on an in-process server (or --url): warm-up, then the pairs."""
+  if FLAGS.url:
+    u = urllib.parse.urlparse(FLAGS.url)
+    host, port, stop = u.hostname, u.port or 80, lambda: None
+  else:
+    host, port, stop, _ = _start_server()
+  try:
+    model = http_json(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
+    grammar_phase(host, port, model, 2, FLAGS.max_tokens)  # compiles the shapes met
+    report = grammar_phase(host, port, model, FLAGS.requests, FLAGS.max_tokens)
+  finally:
+    stop()
+  out = json.dumps({"workload": "grammar", "model": model, **report}, indent=2)
+  print(out)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      f.write(out + "\n")
+  return 0
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -115,6 +140,8 @@ def main(argv):
         f.write(out + "\n")
     phases = [report["cached"], report["uncached"]]
     return 0 if all(p["completed"] == p["requests"] for p in phases) else 1
+  if FLAGS.workload == "grammar":
+    return grammar_report()
   if FLAGS.url:
     u = urllib.parse.urlparse(FLAGS.url)
     host, port, stop = u.hostname, u.port or 80, lambda: None

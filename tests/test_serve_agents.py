@@ -187,7 +187,7 @@ def test_model_chat_shows_reasoning_apart(server, scripted):
 def test_unknown_fields_are_refused_and_the_allowlist_is_accepted(server):
   for kw, param in ((dict(extra_body={"logit_bias_typo": 1}), "logit_bias_typo"),
                     (dict(logit_bias={"5": 1}), "logit_bias"),
-                    (dict(response_format={"type": "json_object"}), "response_format"),
+                    (dict(prediction={"type": "content", "content": "x"}), "prediction"),
                     (dict(extra_body={"chat_template_kwargs": {"tools_in_user": True}}),
                      "chat_template_kwargs.tools_in_user"),
                     (dict(messages=[{"role": "user", "content": "x", "mood": 1}]),

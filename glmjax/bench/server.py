@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import statistics
 import time
 
 import numpy as np
@@ -146,3 +147,41 @@ def prefix_phase(host, port, model: str, prompts: list[list[int]], clients: int,
           "requests_per_s": len(results) / wall, "prompt_tokens": prompt_tokens,
           "cached_tokens": cached, "prefilled_tokens": prompt_tokens - cached,
           "prefill_fraction": (prompt_tokens - cached) / prompt_tokens if prompt_tokens else 0}
+
+
+# A bounded schema (an enum, a bounded integer, a short string): every reply completes.
+GRAMMAR_SCHEMA = {"type": "object", "additionalProperties": False,
+                  "required": ["color", "n", "note"],
+                  "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                 "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                 "note": {"type": "string", "maxLength": 8}}}
+
+
+def grammar_phase(host, port, model: str, requests: int, max_tokens: int) -> dict:
+  """One client's chat completions at temperature 1, alternately under `GRAMMAR_SCHEMA` (a
+  json_schema response_format) and free, seeds 0, 1, ...: the server's decode time per token
+  (its `glmjax.decode_tok_s`) for each, medians, and their ratio."""
+  per_token: dict[str, list] = {"grammar": [], "plain": []}
+  valid = 0
+  for i in range(requests):
+    for kind in ("grammar", "plain"):
+      ask = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+      body = {"model": model, "messages": ask, "max_tokens": max_tokens, "temperature": 1.0,
+              "seed": i}
+      if kind == "grammar":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "pick", "schema": GRAMMAR_SCHEMA, "strict": True}}
+      status, reply = http_json(host, port, "POST", "/v1/chat/completions", body)
+      if status != 200:
+        raise RuntimeError(f"HTTP {status}: {reply}")
+      rate = reply["glmjax"]["decode_tok_s"]
+      if rate > 0:
+        per_token[kind].append(1e3 / rate)
+      if kind == "grammar" and reply["choices"][0]["finish_reason"] == "stop":
+        try:
+          valid += isinstance(json.loads(reply["choices"][0]["message"]["content"]), dict)
+        except ValueError:
+          pass
+  g, p = (statistics.median(per_token[k]) for k in ("grammar", "plain"))
+  return {"requests": requests, "max_tokens": max_tokens, "grammar_ms_per_token": g,
+          "plain_ms_per_token": p, "ratio": g / p, "grammar_replies_valid": valid}

@@ -70,14 +70,18 @@ class Request:
   scores: list = dataclasses.field(default_factory=list)
   reason: str = "max_new_tokens"
   cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+  constraint: Any = None  # glmjax.decoding.grammar.Constraint: the tokens allowed next
   _pending: Any = None
 
   def pick(self, logits) -> int:
-    """The next token from logits `[V]` (the picker's choice), noting its logprob and the top
-    `logprobs` alternatives under the distribution sampled from when asked to."""
-    tok = self.picker.pick(logits)
+    """The next token from logits `[V]` (the picker's choice, among those the grammar allows),
+    noting its logprob and the top `logprobs` alternatives under the distribution sampled from
+    when asked to."""
+    allowed = self.constraint.bits() if self.constraint is not None else None
+    tok = self.picker.pick(logits, allowed)
     if self.logprobs is not None:
-      self._pending = (tok, TokenLogprob.of(self.picker.logprobs(logits), tok, self.logprobs))
+      self._pending = (tok, TokenLogprob.of(self.picker.logprobs(logits, allowed), tok,
+                                            self.logprobs))
     return tok
 
   def emit(self, tok: int) -> bool:
@@ -92,6 +96,8 @@ class Request:
       return True
     self.out.append(tok)
     self.picker.observe(tok)
+    if self.constraint is not None:
+      self.constraint.observe(tok)
     if self.on_token:
       self.on_token(tok)
     if self.stream is not None:
@@ -121,9 +127,10 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, stop_ids=None, stop=(), on_token=None,
                 on_text=None, logprobs: int | None = None, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0, on_score=None) -> Request:
-  """Validates one request's sampling and stop settings (before any compute)."""
-  from glmjax.decoding import sampling, text
+                frequency_penalty: float = 0.0, on_score=None, grammar=None) -> Request:
+  """Validates one request's sampling and stop settings (before any compute). `grammar`: a
+  glmjax.decoding.grammar.GrammarSpec (or its JSON) that constrains the output."""
+  from glmjax.decoding import grammar as grammars, sampling, text
   if temperature < 0:  # also checked by SamplingParams; kept for a plain message
     raise InputError(f"temperature must be ≥ 0, got {temperature}")
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < MAX_SEED:
@@ -136,9 +143,16 @@ def new_request(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0
     raise InputError("stop strings need a tokenizer")
   picker = sampling.TokenPicker(params, model.config.vocab_size, prompt_ids, seed)
   tok = model.tokenizer
+  stops = model.default_stop_ids() if stop_ids is None else set(stop_ids)
+  constraint = None
+  if grammar is not None:
+    if tok is None:
+      raise InputError("a grammar needs a tokenizer")
+    constraint = grammars.Constraint(grammars.GrammarSpec.of(grammar), tok,
+                                     model.config.vocab_size, stops)
   return Request(
-      max_new_tokens=max_new_tokens, picker=picker, seed=seed,
-      stops=model.default_stop_ids() if stop_ids is None else set(stop_ids),
+      max_new_tokens=max_new_tokens, picker=picker, seed=seed, stops=stops,
+      constraint=constraint,
       stream=text.StreamDecoder(tok) if tok is not None else None,
       matcher=text.StopMatcher(stop) if stop else None, on_token=on_token, on_text=on_text,
       logprobs=logprobs, on_score=on_score)
@@ -186,7 +200,9 @@ def run_request(executor: Executor, pool, pages, start: int, prompt_ids: np.ndar
   n = len(prompt_ids)
   table = pool.table(pages)
   before = executor.telemetry()
-  speculate = bool(draft) and req.max_new_tokens > 0
+  # A constrained request never drafts: a draft would have to be checked against the grammar
+  # token by token, and the server (the one place grammars come from) does not speculate.
+  speculate = bool(draft) and req.max_new_tokens > 0 and req.constraint is None
   try:
     cache = pool.cache([table], start, executor.put)
     t0 = time.perf_counter()

@@ -365,14 +365,41 @@ def sample_with(key: jax.Array, logits: jax.Array, params: SamplingParams,
 # top-p, min-p or penalty reuses the compiled call: a server's clients choose them freely.
 # Only `stages` is static: which filters are on (one that is off costs nothing) and a top-k
 # beyond the pre-selection, which sets the candidates' shape.
-@functools.partial(jax.jit, static_argnames=("stages",))
-def _sample_jit(key, logits, knobs, stages):
-  return sample(key, logits, *_knob_args(knobs, stages))
+# `allowed` is a grammar's mask (glmjax.decoding.grammar) packed 8 tokens to a byte (uint8
+# `[ceil(V/8)]`, little-endian bits, as llguidance writes it: 19 kB a step for GLM-5 rather than
+# 155 kB of bools), all ones without a grammar, so constrained and free requests share the
+# compiled call. Disallowed logits become -inf before the temperature and every filter, so each
+# filter sees only the tokens the grammar allows.
+def allow(logits, allowed):
+  x = jnp.asarray(logits, jnp.float32)
+  keep = jnp.unpackbits(allowed, bitorder="little")[:x.shape[-1]].astype(bool)
+  return jnp.where(keep, x, -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("stages",))
-def _probs_jit(logits, knobs, stages):
-  return probs(logits, *_knob_args(knobs, stages))
+def _sample_jit(key, logits, allowed, knobs, stages):
+  return sample(key, allow(logits, allowed), *_knob_args(knobs, stages))
+
+
+@functools.partial(jax.jit, static_argnames=("stages",))
+def _probs_jit(logits, allowed, knobs, stages):
+  return probs(allow(logits, allowed), *_knob_args(knobs, stages))
+
+
+@jax.jit
+def _argmax_jit(logits, allowed):
+  return jnp.argmax(allow(logits, allowed))
+
+
+@jax.jit
+def _log_softmax_jit(logits, allowed):
+  return jax.nn.log_softmax(allow(logits, allowed))
+
+
+@functools.lru_cache(maxsize=8)
+def everything(vocab_size: int) -> jax.Array:
+  """The packed mask of a request without a grammar (on the device once)."""
+  return jnp.full(((vocab_size + 7) // 8,), 0xFF, jnp.uint8)
 
 
 @jax.jit
@@ -440,29 +467,34 @@ class TokenPicker:
     return (np.float32(p.temperature), np.int32(p.top_k), np.float32(p.top_p),
             np.float32(p.min_p)), _stages(p)
 
-  def pick(self, logits) -> int:
-    """The next token from logits `[V]`."""
+  def _allowed(self, allowed):
+    return everything(self.seen.shape[0]) if allowed is None else allowed
+
+  def pick(self, logits, allowed=None) -> int:
+    """The next token from logits `[V]`, among the `allowed` ones (packed bits, uint8
+    `[ceil(V/8)]`; None: all)."""
     logits = self._adjusted(logits)
+    allowed = self._allowed(allowed)
     if self.greedy:
-      return int(jnp.argmax(logits))
+      return int(_argmax_jit(logits, allowed))
     self.key, sub = jax.random.split(self.key)
     knobs, stages = self._knobs()
-    return int(_sample_jit(sub, logits, knobs, stages))
+    return int(_sample_jit(sub, logits, allowed, knobs, stages))
 
-  def logprobs(self, logits) -> np.ndarray:
+  def logprobs(self, logits, allowed=None) -> np.ndarray:
     """float32 `[V]`: the log of the distribution `pick` samples from, after the penalty, the
     temperature and the top-k/top-p/min-p filters (-inf where filtered out). At temperature 0,
     the model's log-softmax after the penalty (the argmax's one-hot would say nothing)."""
-    logits = self._adjusted(logits)
+    logits, allowed = self._adjusted(logits), self._allowed(allowed)
     if self.greedy:
-      return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)), np.float32)
+      return np.asarray(_log_softmax_jit(logits, allowed), np.float32)
     with np.errstate(divide="ignore"):
-      return np.log(self._sampled_probs(logits)).astype(np.float32)
+      return np.log(self._sampled_probs(logits, allowed)).astype(np.float32)
 
-  def _sampled_probs(self, logits) -> np.ndarray:
+  def _sampled_probs(self, logits, allowed=None) -> np.ndarray:
     """The sampling distribution of logits the penalty has already adjusted."""
     knobs, stages = self._knobs()
-    return np.asarray(_probs_jit(logits, knobs, stages), np.float64)
+    return np.asarray(_probs_jit(logits, self._allowed(allowed), knobs, stages), np.float64)
 
   def probs(self, logits) -> np.ndarray:
     """float64 `[V]`: the distribution `pick` samples from (one-hot at the argmax if greedy)."""

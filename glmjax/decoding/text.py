@@ -91,6 +91,10 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
+  def to_json(self) -> str:
+    """The tokenizer as `tokenizer.json` text (what llguidance builds its view from)."""
+    return self._tok.to_str()
+
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; special-token strings in it map to their ids, none are added."""
     return self._tok.encode(text, add_special_tokens=False).ids

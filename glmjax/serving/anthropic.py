@@ -39,6 +39,7 @@ class Served:
   guard: Any
   check_tokens: Callable  # ids -> checked ids (a GlmjaxError when too long)
   sampling: Callable  # (body, n_prompt, default_max, own_stops) -> settings
+  grammar: Callable  # GrammarSpec -> its checked JSON for the settings (a 400 if refused)
   submit: Callable  # async (choices) -> jobs
   next_event: Callable  # async (queue, request) -> event or None
   failure: Callable  # job error -> ApiError
@@ -202,7 +203,11 @@ def _settings(body: dict, served: Served, n_prompt: int, req: chat.ChatRequest) 
     raise _bad("temperature must be a number in [0, 1]", "temperature")
   openai = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "messages")
             if k in body}
-  return served.sampling(openai, n_prompt, body["max_tokens"], list(stops or []) + req.stops)
+  settings = served.sampling(openai, n_prompt, body["max_tokens"],
+                             list(stops or []) + req.stops)
+  if req.grammar is not None:  # a forced tool use: its input follows the tool's input_schema
+    settings["grammar"] = served.grammar(req.grammar)
+  return settings
 
 
 # --- the reply -----------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from glmjax.decoding import sampling
+from glmjax.decoding import grammar, sampling
+from glmjax.decoding.grammar import GrammarSpec
 from glmjax.errors import GlmjaxError, InputError, PeerError
 from glmjax.serving import anthropic, chat, fields, protocol
 from glmjax.serving.guard import Guard
@@ -104,6 +105,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
     for p, (ids, text) in enumerate(prompts):
       settings = checked_sampling(body, len(ids), DEFAULT_MAX_TOKENS[kind],
                                   req.stops if req is not None else [])
+      if req is not None and req.grammar is not None:
+        settings["grammar"] = checked_grammar(req.grammar)
       for j in range(n):  # choice j of a prompt samples with seed + j
         choices.append(dict(ids=ids, text=text, index=p * n + j, first=j == 0, settings={
             **settings, "seed": (settings["seed"] + j) % protocol.MAX_SEED}))
@@ -118,6 +121,15 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
     except GlmjaxError as e:
       raise ApiError(400, str(e)) from None
     return settings
+
+  def checked_grammar(spec: GrammarSpec) -> dict:
+    """The grammar's JSON for the request's settings, once compiled here: a schema the
+    grammar library refuses is a 400 naming its field, before anything is queued."""
+    try:
+      grammar.validate(spec, tok, model.config.vocab_size, model.default_stop_ids())
+    except grammar.GrammarError as e:
+      raise ApiError(400, str(e), e.field) from None
+    return spec.to_json()
 
   async def submit(choices: list[dict], echo: bool = False) -> list[Job]:
     """Queues the choices as jobs sharing one event queue (a 429 when full, a 503 when the
@@ -186,7 +198,8 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
 
   served = anthropic.Served(name, tok, guard, model.check_tokens,
                             lambda body, n, default_max, stops: checked_sampling(
-                                body, n, default_max, stops), submit, _next_event, _failure)
+                                body, n, default_max, stops), checked_grammar, submit,
+                            _next_event, _failure)
 
   async def messages(request: Request):
     return await anthropic.messages(request, served)

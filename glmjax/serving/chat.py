@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from glmjax.decoding import glm_format, text
+from glmjax.decoding.grammar import GrammarSpec
 from glmjax.serving import fields
 from glmjax.serving.protocol import ApiError
 
@@ -38,6 +39,25 @@ class ChatRequest:
   parallel: bool = True
   thinking: bool = False
   template_kwargs: dict = dataclasses.field(default_factory=dict)
+  response_schema: dict | None = None  # response_format's JSON schema (json_object: any object)
+
+  @property
+  def grammar(self) -> GrammarSpec | None:
+    """What decoding is constrained by: a forced call's arguments under its function's
+    parameters (a required call: the name among the tools too), or the reply's JSON under
+    `response_format`. A forced call closes the reasoning itself, so its grammar starts at
+    once; a JSON reply's starts after `</think>`."""
+    if self.tools and self.choice in ("named", "required"):
+      params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+      if self.choice == "named":
+        j = list(params).index(self.named)
+        return GrammarSpec("tool_args", params[self.named],
+                           field=f"tools[{j}].function.parameters")
+      return GrammarSpec("tool_call", params, field="tools")
+    if self.response_schema is not None:
+      return GrammarSpec("json", self.response_schema, self.thinking,
+                         "response_format.json_schema.schema")
+    return None
 
   @property
   def parse_tools(self) -> bool:
@@ -146,7 +166,7 @@ def messages(body: dict) -> list[dict]:
 
 def tools(body: dict) -> list[dict] | None:
   """`tools`: function definitions {type: function, function: {name, description?,
-  parameters?}}. `strict` is refused: without a grammar on decoding nothing enforces it."""
+  parameters?, strict?}}; `strict` is kept for `_check_strict`, then dropped."""
   ts = body.get("tools")
   if ts is None:
     return None
@@ -176,10 +196,7 @@ def function(fn: dict, at: str) -> dict:
   if not isinstance(fn.get("parameters", {}), dict):
     raise _bad(f"{at}.parameters must be a JSON schema object", at + ".parameters",
                "invalid_type")
-  if fn.get("strict"):
-    raise _bad(f"{at}.strict: this server does not constrain decoding by a schema yet",
-               at + ".strict", "unsupported_value")
-  return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+  return {k: fn[k] for k in ("name", "description", "parameters", "strict") if k in fn}
 
 
 def tool_choice(body: dict, offered: list | None) -> tuple[str, str | None]:
@@ -235,13 +252,52 @@ def _flag(body: dict, name: str, default: bool) -> bool:
   return v
 
 
+def response_format(body: dict) -> dict | None:
+  """The JSON schema `response_format` asks for: text (None), json_object (any object) or
+  json_schema {name, schema, strict, description}."""
+  rf = body.get("response_format")
+  if rf is None:
+    return None
+  if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+    raise _bad("response_format must be {type: text | json_object | json_schema}",
+               "response_format", "invalid_type")
+  fields.check(rf, {"type", "json_schema"}, (), "response_format.")
+  if rf["type"] == "text":
+    return None
+  if rf["type"] == "json_object":
+    return {"type": "object"}
+  js = rf.get("json_schema")
+  if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+    raise _bad("response_format.json_schema must be {name, schema, strict}",
+               "response_format.json_schema", "invalid_type")
+  fields.check(js, {"name", "schema", "strict", "description"}, (), "response_format.json_schema.")
+  return js.get("schema") or {}
+
+
+def _check_strict(offered: list | None, choice: str) -> None:
+  """`strict` tools are enforced by the grammar of a forced call; a call the model may or may
+  not open (auto) is not constrained, so strict there would promise what is not kept."""
+  for j, t in enumerate(offered or ()):
+    if t["function"].get("strict") and choice not in ("named", "required"):
+      raise _bad(f"tools[{j}].function.strict: a strict tool is enforced only when "
+                 "tool_choice forces a call (required or a named function)",
+                 f"tools[{j}].function.strict", "unsupported_value")
+
+
 def request(body: dict, tok) -> ChatRequest:
   """The checked chat request of an OpenAI body."""
   offered = tools(body)
   choice, named = tool_choice(body, offered)
+  _check_strict(offered, choice)
   thinking, extra = template_kwargs(body, tok)
+  schema = response_format(body)
+  if schema is not None and offered and choice in ("named", "required"):
+    raise _bad("response_format cannot be combined with a forced tool call (the call's "
+               "arguments follow the tool's schema)", "response_format")
+  for t in offered or ():
+    t["function"].pop("strict", None)  # the template renders the definition without it
   return ChatRequest(messages(body), offered, choice, named,
-                     _flag(body, "parallel_tool_calls", True), thinking, extra)
+                     _flag(body, "parallel_tool_calls", True), thinking, extra, schema)
 
 
 # --- the reply -----------------------------------------------------------------------------------

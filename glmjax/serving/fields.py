@@ -18,7 +18,7 @@ _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition
 COMPLETION = {"model", "prompt", "logprobs", "echo"} | _SAMPLING
 CHAT = {"model", "messages", "max_completion_tokens",
         "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-        "chat_template_kwargs", "reasoning_effort"} | _SAMPLING
+        "chat_template_kwargs", "reasoning_effort", "response_format"} | _SAMPLING
 # Sent by the openai SDK when the caller sets them, by agents for their own bookkeeping; none
 # changes what the model generates.
 OPENAI_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
