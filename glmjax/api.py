@@ -476,13 +476,7 @@ def load(path: str | os.PathLike | None = None, mesh=None, **options) -> Model:
   cfg, dense = store.load_dense(path, dtype=opts.jnp_dtype, progress=opts.progress)
   if mesh is not None:
     dense = sharding.place_dense(dense, cfg, mesh)
-  engine = OffloadEngine(cfg, dense, experts, budgets, io_workers=opts.io_workers,
-                         io_timeout_s=opts.io_timeout_s, cold=opts.cold, progress=opts.progress,
-                         kernel=opts.moe_kernel, expert_compute=opts.expert_compute,
-                         prefetch=opts.prefetch, pilot_k=opts.pilot_k, couple_k=opts.couple_k,
-                         cache_route=((opts.route_keep, opts.route_rank) if opts.cache_route
-                                      else None), expert_budget=opts.expert_budget, mesh=mesh,
-                         attention=opts.attention)
+  engine = OffloadEngine(cfg, dense, experts, budgets, opts, mesh)
   weights = engine.resident_weights() if engine.all_resident else dense
   return Model(cfg, weights, opts, path, engine, mesh=mesh, memory=memory)
 

@@ -1,7 +1,8 @@
 """Runtime options: everything that is not architecture.
 
-Two become static arguments of the jitted steps: `moe_kernel` (as `kernel`) and `attention`
-(as `impl`); changing either compiles new executables. `dtype`, `kv_dtype`, `index_dtype` and
+Two become static arguments of the jitted steps, as fields of the one static bundle
+`glmjax.model.config.Runtime` that every step takes: `moe_kernel` (its `kernel`) and `attention`
+(its `impl`); changing either compiles new executables. `dtype`, `kv_dtype`, `index_dtype` and
 `prefill_chunk` reach the steps only through the dtypes and shapes of their arrays. The rest
 steer the host side (loading, the offload engine's tiers and threads, the KV pool).
 """

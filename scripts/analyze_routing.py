@@ -47,12 +47,11 @@ flags.DEFINE_integer("window", 0, "Window length (default: max_position_embeddin
 def routing_trace(w, tokens, cfg):
   """Per layer: post-attention residual, MoE routing ids (or None), output residual."""
   b, s = tokens.shape
-  positions = jnp.arange(s, dtype=jnp.int32)
   x = w.embed[tokens].astype(F32)
   selection, trace = None, []
   for lw in w.layers:
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    a, _, selection = attention(lw.attn, h, positions, cfg, None, None, selection)
+    a, _, selection = attention(lw.attn, h, 0, cfg, selection=selection)
     mid = x + a
     h2 = rms_norm(mid, lw.mlp_norm, cfg.rms_norm_eps)
     if isinstance(lw.mlp, MoE):

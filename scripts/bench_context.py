@@ -97,6 +97,8 @@ def layer_timers(model, cache, context: int, impl: str):
   import jax
   import jax.numpy as jnp
   from glmjax.model import attention as att
+  from glmjax.model.config import Runtime
+  from glmjax.model.kvcache import PagedLayer
   from glmjax.model.layers import LATENT_NORM_EPS, linear, rms_norm
   cfg, w = model.config, model.weights
   x = jax.random.normal(jax.random.PRNGKey(1), (1, 1, cfg.hidden_size), jnp.float32)
@@ -116,9 +118,9 @@ def layer_timers(model, cache, context: int, impl: str):
 
   # The layer's attention over the cache as decode runs it (absorbed; the cache donated and
   # carried from call to call, so no call copies the pools).
-  attend = jax.jit(lambda aw, lc, pages: att.attention(aw, x, pos, cfg, lc, pages,
-                                                        jnp.int32(context), absorbed=True,
-                                                        impl=impl)[:2], donate_argnums=(1,))
+  attend = jax.jit(lambda aw, lc, pages: att.attention(
+      aw, x, jnp.int32(context), cfg, PagedLayer(lc, pages), absorbed=True,
+      runtime=Runtime(impl=impl))[:2], donate_argnums=(1,))
   dsa = [i for i, l in enumerate(w.layers) if l.attn.indexer is not None]
   layers = dict(enumerate(cache.layers))
   ix = lambda: jax.block_until_ready([indexer(w.layers[i].attn, layers[i], cache.pages)

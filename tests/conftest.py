@@ -24,6 +24,7 @@ def pytest_configure(config):
   a torn entry read by another worker is a cache miss (JAX warns and compiles). The process
   that made the directory (xdist's controller, which starts the workers after this hook)
   removes it at the end."""
+  config.addinivalue_line("markers", "fast: the fast tier (FAST_TIER), a developer's inner loop")
   if getattr(config.option, "maxworkerrestart", "") is None:
     # A worker that dies (a segfault) fails its test and ends the run at once. With restarts
     # (xdist's default) `--dist loadfile` can wait forever for the replacement worker
@@ -146,9 +147,20 @@ HEAVY_FIRST = ("test_long_context.py", "test_multiprocess_offload.py", "test_spe
                "test_batch_decode.py")
 
 
+# The fast tier (`pytest -m fast tests`, README): the files that load no model and compile no
+# forward pass (rules, sampling, quantizers, text, the cost model and the simulator, the
+# architecture's boundaries, the flags), for a developer's inner loop.
+FAST_TIER = ("test_sampling.py", "test_quant.py", "test_config.py", "test_cost_model.py",
+             "test_replay_sim.py", "test_text.py", "test_cli.py", "test_architecture.py",
+             "test_hugepages.py", "test_chat_format.py")
+
+
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))
+  for item in items:
+    if item.path.name in FAST_TIER:
+      item.add_marker(pytest.mark.fast)
 
 
 def pytest_unconfigure(config):

@@ -1,6 +1,7 @@
 """The wings' boundaries, read from the source: serving/ uses only public names of the other
 wings, pallas_kernels/ imports nothing from glmjax, only glmjax/model/kernels.py picks kernels,
-and scripts declare their load flags through glmjax.cli."""
+and scripts declare their load flags through glmjax.cli, and the
+model's public functions take few parameters."""
 
 import ast
 import dataclasses
@@ -184,3 +185,40 @@ def test_the_check_sees_kernel_choices():
                    "def f():\n  jax.default_backend()\n  jax.devices()[0].platform\n"
                    "  from jax import default_backend\n  default_backend()\n")
   assert sorted(int(u.split(":")[0][5:]) for u in kernel_choices(tree)) == [1, 2, 5, 6, 8]
+
+
+MAX_PARAMS = 8  # a public function of glmjax/model/ takes at most this many parameters
+
+
+def wide_functions(tree: ast.Module) -> list[str]:
+  """Public functions and methods (at module or class level) with more than MAX_PARAMS
+  parameters, `self` and `cls` not counted."""
+  found = []
+  scopes = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef)]
+  for body in scopes:
+    for fn in body:
+      if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _private(fn.name):
+        continue
+      a = fn.args
+      names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs
+               + [p for p in (a.vararg, a.kwarg) if p is not None]]
+      n = len([x for x in names if x not in ("self", "cls")])
+      if n > MAX_PARAMS:
+        found.append(f"{fn.name}: {n}")
+  return found
+
+
+def test_model_functions_take_few_parameters():
+  """The forward pass's public functions take their static choices as one `Runtime` and a
+  pass's driving as one `Drive` (glmjax.model), not as threaded keyword arguments."""
+  bad = {os.path.relpath(p, ROOT): wide for p, t in _modules("glmjax/model").items()
+         if (wide := wide_functions(t))}
+  assert not bad, bad
+
+
+def test_the_check_sees_wide_functions():
+  tree = ast.parse("def f(a, b, c, d, e, f, g, h, i): pass\ndef g(a, b, c, d, e, f, g, *h): pass\n"
+                   "def _h(a, b, c, d, e, f, g, h, i): pass\nclass C:\n"
+                   "  def m(self, a, b, c, d, e, f, g, h, *, i=0): pass\n"
+                   "  def n(self, a, b, c, d, e, f, g, h): pass\n")
+  assert wide_functions(tree) == ["f: 9", "m: 9"]

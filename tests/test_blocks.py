@@ -78,12 +78,11 @@ def test_mla_attention(pair, absorbed, layer):
     _, _, topk = mod0(_t(x), _rope(ref), _causal_mask())  # the selection shared layers reuse
     want, _, _ = ref.model.layers[layer].self_attn(_t(x), _rope(ref), _causal_mask(),
                                                     prev_topk_indices=topk)
-  pos = jnp.arange(S, dtype=jnp.int32)
   sel = None
   if layer == 1:
-    _, _, sel = attention.attention(model.weights.layers[0].attn, jnp.asarray(x), pos, cfg)
+    _, _, sel = attention.attention(model.weights.layers[0].attn, jnp.asarray(x), 0, cfg)
     assert sel is not None  # index_topk < S, so layer 0 selects
-  got, _, _ = attention.attention(model.weights.layers[layer].attn, jnp.asarray(x), pos, cfg,
+  got, _, _ = attention.attention(model.weights.layers[layer].attn, jnp.asarray(x), 0, cfg,
                                   selection=sel, absorbed=absorbed)
   assert rel_err(got, want.numpy()) <= TOL
 

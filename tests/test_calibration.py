@@ -83,8 +83,8 @@ def _numpy_stats(model):
         caught[layer] = (r.flat, r.ids)
       yield from forward.resident_experts()(layer, m, chunks)
 
-    forward.forward(w, toks, model.config, experts=catch, start=forward.fresh_start(),
-                    n_valid=valid)
+    forward.forward(w, toks, model.config, n_valid=valid, start=forward.fresh_start(),
+                    drive=forward.Drive(catch))
     return caught
 
   caught = {l: (np.asarray(f, np.float64), np.asarray(i)) for l, (f, i) in

@@ -162,6 +162,16 @@ def staged(path: str) -> list[str]:
   return [n for n in os.listdir(d) if n.startswith(f".{base}.tmp-")]
 
 
+def rerun_and_reference(script: str, out: str, ref: str, args: list, tmp_path) -> None:
+  """After the kills: the rerun at `out` and an uninterrupted run at `ref` both succeed, no
+  temporary is left anywhere, and every file of the two is the same (bar `created`)."""
+  for path in (out, ref):
+    r = run(script, f"--out={path}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+  assert temporaries(str(tmp_path)) == []
+  assert_same_files(ref, out)
+
+
 def test_calibrate_killed_during_its_save_reruns(tmp_path):
   out, ref = str(tmp_path / "stats"), str(tmp_path / "ref" / "stats")
   args = [*SMALL_RUN, "--nosequential"]
@@ -173,11 +183,7 @@ def test_calibrate_killed_during_its_save_reruns(tmp_path):
 
   kill_chain("calibrate.py", [f"--out={out}", *args],
              ["calibration.array:1", "calibration.array:3", "calibration.publish"], partial)
-  for path in (out, ref):
-    r = run("calibrate.py", f"--out={path}", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
-  assert temporaries(str(tmp_path)) == []
-  assert_same_files(ref, out)
+  rerun_and_reference("calibrate.py", out, ref, args, tmp_path)
   a, b = calibration.Calibration(ref), calibration.Calibration(out)
   assert a.sha256 == b.sha256 and a.meta == b.meta
 
@@ -192,11 +198,7 @@ def test_replay_trace_killed_at_any_point_reruns(tmp_path):
 
   kill_chain("replay.py", [f"--out={out}", *SMALL_RUN],
              ["trace.created", "trace.flush:1", "trace.publish"], partial)
-  for path in (out, ref):
-    r = run("replay.py", f"--out={path}", *SMALL_RUN)
-    assert r.returncode == 0, r.stderr[-3000:]
-  assert temporaries(str(tmp_path)) == []
-  assert_same_files(ref, out)
+  rerun_and_reference("replay.py", out, ref, SMALL_RUN, tmp_path)
   a, b = Trace.open(ref), Trace.open(out)
   for name in ("ids", "weights", "tokens", "steps", "seq_starts", "scores", "pilot"):
     np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)

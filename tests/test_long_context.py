@@ -18,10 +18,12 @@ import pytest
 import glmjax
 from glmjax.errors import InputError
 from glmjax.model import attention, kvcache, weights
+from glmjax.model.config import Runtime
 from glmjax.model.forward import decode_fn, prefill_fn, score_fn
 from hf_reference import hf_logits, make_hf, rel_err, tiny_config, tokens
 
 K = 8  # index_topk of the test model: sequences on both sides of it
+RT = {impl: Runtime(impl=impl) for impl in ("sparse", "dense")}  # the attention's
 CFG = tiny_config(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=K,
                   index_n_heads=4, n_routed_experts=4)
 TOL = 1e-6
@@ -39,12 +41,12 @@ def _toks(seed, b, s):
 @pytest.mark.parametrize("s", [5, K, K + 1, 40])
 def test_sparse_equals_dense_without_a_cache(w, s):
   toks = _toks(s, 2, s)
-  run = lambda impl: np.asarray(score_fn(w, toks, jnp.int32(0), cfg=CFG, impl=impl))
+  run = lambda impl: np.asarray(score_fn(w, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
   assert rel_err(run("sparse"), run("dense")) <= TOL
   # The selections themselves, layer 0 (full) on the embedded tokens: identical, ordered.
   x = w.embed[toks].astype(jnp.float32)
-  pos = jnp.arange(s, dtype=jnp.int32)
-  sel = [attention.attention(w.layers[0].attn, x, pos, CFG, impl=i)[2] for i in ("sparse", "dense")]
+  sel = [attention.attention(w.layers[0].attn, x, 0, CFG, runtime=RT[i])[2]
+         for i in ("sparse", "dense")]
   if s <= K:
     assert sel == [None, None]  # a query sees no more than K keys: dense, nothing selected
   else:
@@ -58,10 +60,10 @@ def test_sparse_equals_dense_through_the_cache(w):
 
   def run(impl):
     cache = kvcache.init_cache(CFG, 1, 64)
-    logits, _, cache = prefill_fn(w, cache, toks[:, :6], jnp.int32(6), cfg=CFG, impl=impl)
+    logits, _, cache = prefill_fn(w, cache, toks[:, :6], jnp.int32(6), cfg=CFG, runtime=RT[impl])
     out = [np.asarray(logits[0])]
     for t in range(6, 46):
-      logits, _, cache = decode_fn(w, cache, toks[:, t:t + 1], cfg=CFG, impl=impl)
+      logits, _, cache = decode_fn(w, cache, toks[:, t:t + 1], cfg=CFG, runtime=RT[impl])
       out.append(np.asarray(logits[0, 0]))
     return np.stack(out)
   assert rel_err(run("sparse"), run("dense")) <= TOL
@@ -86,7 +88,7 @@ def test_batched_decode_with_rows_at_their_own_lengths(w):
     base = _random_pool(kvcache.init_cache(CFG, 3, 40), 0)
     cache = dataclasses.replace(base, pages=base.pages[rows],
                                 length=jnp.asarray(lengths[rows]))
-    return np.asarray(decode_fn(w, cache, toks[rows], cfg=CFG, impl=impl,
+    return np.asarray(decode_fn(w, cache, toks[rows], cfg=CFG, runtime=RT[impl],
                                 n_valid=jnp.ones(len(lengths[rows]), jnp.int32))[0][:, 0])
   both = run("sparse")
   assert rel_err(both, run("dense")) <= TOL
@@ -123,10 +125,10 @@ def test_tied_indexer_keeps_the_earliest_keys(w):
   w0 = dataclasses.replace(w, layers=[dataclasses.replace(
       w.layers[0], attn=dataclasses.replace(w.layers[0].attn, indexer=ix)), *w.layers[1:]])
   toks = _toks(4, 1, 30)
-  run = lambda impl: np.asarray(score_fn(w0, toks, jnp.int32(0), cfg=CFG, impl=impl))
+  run = lambda impl: np.asarray(score_fn(w0, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
   assert rel_err(run("sparse"), run("dense")) <= TOL
   x = w0.embed[toks].astype(jnp.float32)
-  _, _, sel = attention.attention(w0.layers[0].attn, x, jnp.arange(30, dtype=jnp.int32), CFG)
+  _, _, sel = attention.attention(w0.layers[0].attn, x, 0, CFG)
   np.testing.assert_array_equal(np.asarray(sel)[0, -1], np.arange(K))
 
 
@@ -209,8 +211,9 @@ def test_long_context_steps_stay_small_at_glm5_dims():
                                                                          experts=pool))
   cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, 1, 131072))
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-  steps = {"decode": decode_fn.lower(w, cache, i32(1, 1), cfg=cfg, kernel="cpu"),
-           "prefill": prefill_fn.lower(w, cache, i32(1, 2048), i32(), cfg=cfg, kernel="cpu")}
+  cpu = Runtime(kernel="cpu")
+  steps = {"decode": decode_fn.lower(w, cache, i32(1, 1), cfg=cfg, runtime=cpu),
+           "prefill": prefill_fn.lower(w, cache, i32(1, 2048), i32(), cfg=cfg, runtime=cpu)}
   for name, lowered in steps.items():
     temp = lowered.compile().memory_analysis().temp_size_in_bytes
     assert temp < 4e9, (name, temp)

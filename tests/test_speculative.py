@@ -248,7 +248,6 @@ def test_pilot_recall_matches_independent_routing(random_store):
       l.mlp, experts=jax.tree_util.tree_map(jnp.asarray, store.read_layer(i))))
             if isinstance(l.mlp, MoE) else l for i, l in enumerate(model.weights.layers)]
   x = model.weights.embed[jnp.asarray(toks)]
-  pos = jnp.arange(toks.shape[1])
   sel, pred, want_hits, want_actual = None, None, 0, 0
 
   def predict(i, x):  # layer i+1's router on x, when layer i+1 is a MoE layer
@@ -260,7 +259,7 @@ def test_pilot_recall_matches_independent_routing(random_store):
     return set(np.unique(np.asarray(jax.lax.top_k(sc, 3)[1])).tolist())
 
   for i, lw in enumerate(layers):
-    a, _, sel = att.attention(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), pos, cfg,
+    a, _, sel = att.attention(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), 0, cfg,
                               selection=sel)
     x = x + a
     hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)

@@ -139,8 +139,8 @@ def test_chat_template_without_generation_prompt_and_errors(tok, tok_dir):
   tool = [{"role": "tool", "content": {"temp": "21°C"}}]
   assert text.render_chat(tool, tok, add_generation_prompt=False) == (
       hf.apply_chat_template(tool, tokenize=False))
-  import jinja2
-  with pytest.raises(jinja2.exceptions.TemplateError, match="unknown role"):
+  # the template's own refusal comes back as a GlmjaxError that quotes it
+  with pytest.raises(text.TokenizerError, match="refused these messages: unknown role narrator"):
     text.render_chat([{"role": "narrator", "content": "x"}], tok)
   with pytest.raises(ValueError, match="messages"):
     text.render_chat([], tok)

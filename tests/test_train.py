@@ -13,7 +13,8 @@ import pytest
 
 from glmjax.errors import InputError
 from glmjax.model.attention import Taps
-from glmjax.model.forward import forward
+from glmjax.model.config import Runtime
+from glmjax.model.forward import Drive, forward
 from glmjax.model.moe import route
 from glmjax.model.mtp import mtp_logits
 from glmjax.train import objective, optim, presets
@@ -191,7 +192,7 @@ def test_taps_without_selection_attend_every_causal_key(cfg):
 def test_taps_need_the_dense_reference(cfg):
   w = presets.init_params(cfg, seed=0)
   with pytest.raises(InputError, match="impl='dense'"):
-    forward(w, _tokens(0, 1, 16), cfg, taps=Taps())
+    forward(w, _tokens(0, 1, 16), cfg, drive=Drive(runtime=Runtime(taps=Taps())))
 
 
 def test_training_logits_equal_inference_logits_on_shipped_weights():
@@ -215,7 +216,7 @@ def test_training_logits_equal_inference_logits_on_shipped_weights():
 
   @jax.jit
   def inference_mtp(w, toks, next_toks):
-    _, h, _ = forward(w, toks, cfg, impl="dense")
+    _, h, _ = forward(w, toks, cfg, drive=Drive(runtime=Runtime(impl="dense")))
     return mtp_logits(w, h, next_toks, cfg)[0]
 
   want_mtp = np.asarray(inference_mtp(w, window[:, :s], window[:, 1:]))

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.model.forward import forward, resident_experts, valid_rows
+from glmjax.model.config import Runtime
+from glmjax.model.forward import Drive, forward, resident_experts, valid_rows
 from glmjax.model.quant import ExpertPool, dequantize
 from glmjax.model.weights import MoE
 from pallas_kernels.xla import take_experts
@@ -78,8 +79,8 @@ def stats_fn(w, tokens, n_valid, start, cfg, gram: bool = True, kernel: str = "a
   """Per MoE layer (in order) the sums of `expert_stats` for `tokens [B, S]`, each row's first
   `n_valid [B]` positions real: a dict of `[L, E, ...]` arrays. No logits are kept."""
   out: list = []
-  forward(w, tokens, cfg, experts=collecting(resident_experts(kernel), out, gram), start=start,
-          n_valid=n_valid)
+  experts = collecting(resident_experts(Runtime(kernel)), out, gram)
+  forward(w, tokens, cfg, n_valid=n_valid, start=start, drive=Drive(experts))
   return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
 
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from glmjax.errors import InputError
 from glmjax.model import kvcache
-from glmjax.model.config import Config
-from glmjax.model.kvcache import LayerCache
+from glmjax.model.config import Config, Runtime
+from glmjax.model.kvcache import PagedLayer
 from glmjax.model.layers import (F32, LATENT_NORM_EPS, as_f32, layer_norm, linear, per_head,
                                  per_head_kernel, rms_norm, rope_angles, rope_interleaved)
 from glmjax.model.weights import Attention, Indexer
@@ -353,33 +353,36 @@ class Taps:
 
 # --- one attention block -----------------------------------------------------------------------
 
-def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None = None,
-              pages=None, start=None, selection=None, absorbed: bool | None = None,
-              impl: str = "sparse", taps: Taps | None = None):
+def attention(w: Attention, x, start, cfg: Config, kv: PagedLayer | None = None,
+              selection=None, absorbed: bool | None = None, runtime: Runtime = Runtime()):
   """One MLA attention block.
 
   Args:
     x: `[B, S, D]` input-normed hidden states.
-    positions: `[S]` absolute positions of the queries, or `[B, S]` (one row per sequence, each
-      at its own length: batched decoding); `start` is then `[B]`.
-    cache: this layer's pool, written at `start` through `pages` `[B, W]` and attended over;
-      None attends only to the S fresh tokens (a full teacher-forced forward).
+    start: the first query's position, int32 `[]`, or `[B]` (one row per sequence, each at its
+      own length: batched decoding).
+    kv: this layer's pool and page table, written at `start` and attended over; None attends
+      only to the S fresh tokens (a full teacher-forced forward).
     selection: the previous full indexer layer's selection `[B, S, K]` (slots, -1 none),
       reused by "shared" layers.
     absorbed: the absorbed (latent-space) form where attention is dense (the sparse and blocked
       paths are always absorbed); None picks the form with fewer multiply-adds at these shapes
       (`absorbing_pays`).
-    impl: "sparse" (DSA attends to the selected keys only) or "dense" (the masked reference).
-    taps: training's requests (`Taps`; with `impl="dense"` only).
+    runtime: its `impl`, "sparse" (DSA attends to the selected keys only) or "dense" (the
+      masked reference), and training's `taps` (`Taps`; with `impl="dense"` only).
 
   Returns:
-    (out `[B, S, D]`, new layer cache, selection `[B, S, K]` or None where attention is dense).
+    (out `[B, S, D]`, new layer cache (None without `kv`), selection `[B, S, K]` or None where
+    attention is dense).
   """
+  impl, taps = runtime.impl, runtime.taps
   if taps is not None and impl != "dense":
     raise InputError(f"attention taps need impl='dense' (the masked reference), got {impl!r}")
   b, s, _ = x.shape
   h, n, r, c = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                 cfg.kv_lora_rank)
+  steps = jnp.arange(s, dtype=jnp.int32)
+  positions = start[:, None] + steps if jnp.ndim(start) == 1 else start + steps  # [B, S] | [S]
   cos, sin = rope_angles(positions, r, cfg.rope_theta)  # [S, R/2] or [B, S, R/2]
   if positions.ndim == 1:
     cos, sin = cos[None], sin[None]  # [1, S, R/2]
@@ -393,21 +396,24 @@ def attention(w: Attention, x, positions, cfg: Config, cache: LayerCache | None 
   ix_x, ix_q = (x, q_lat) if taps is None else jax.lax.stop_gradient((x, q_lat))
 
   with jax.named_scope("kv_proj"):
-    kv = linear(x, w.kv_a)  # [B, S, C+R]
-    latent = rms_norm(kv[..., :c], w.kv_a_norm, LATENT_NORM_EPS)  # [B, S, C]
-    k_rope = rope_interleaved(kv[..., c:], cos, sin)  # [B, S, R]
+    kv_a = linear(x, w.kv_a)  # [B, S, C+R]
+    latent = rms_norm(kv_a[..., :c], w.kv_a_norm, LATENT_NORM_EPS)  # [B, S, C]
+    k_rope = rope_interleaved(kv_a[..., c:], cos, sin)  # [B, S, R]
     index_k = indexer_keys(w.indexer, ix_x, cfg, cos, sin) if w.indexer is not None else None
 
-  if cache is None:  # the fresh tokens are the keys: slot t is token t
+  cache = None
+  if kv is None:  # the fresh tokens are the keys: slot t is token t
     page = min(FRESH_PAGE, s)
     pools = [kvcache.as_pool(a, page) if a is not None else (None, None)
              for a in (latent, k_rope, index_k)]
     view = KeyView(pools[0][0], pools[1][0], pools[2][0], pools[0][1])
     q_slots = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]
   else:
+    pages, old = kv.pages, kv.cache
     write = lambda pool, new: kvcache.write(pool, new, pages, start)
-    cache = LayerCache(latent=write(cache.latent, latent), k_rope=write(cache.k_rope, k_rope),
-                       index_k=None if cache.index_k is None else write(cache.index_k, index_k))
+    cache = kvcache.LayerCache(
+        latent=write(old.latent, latent), k_rope=write(old.k_rope, k_rope),
+        index_k=None if old.index_k is None else write(old.index_k, index_k))
     # The writes land in the (donated) pools before anything reads them: without the barrier
     # XLA fuses each write into the reads that follow and copies every pool to keep the old
     # contents for them (three 269 MB copies of a 131k-position latent pool per decode step).

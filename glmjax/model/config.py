@@ -15,6 +15,23 @@ from glmjax.errors import ConfigError
 
 MODEL_TYPE = "glm_moe_dsa"
 
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """How the model's math is computed, never what it computes: the one static bundle that every
+  jitted step takes beside `Config` (changing it compiles new executables).
+
+  kernel: the quantized experts' backend ("auto" by platform, "cpu" numba, "xla", "pallas");
+  mesh: None, or the Mesh the weights are sharded over (the MoE block's shard_map);
+  impl: the attention's, "sparse" (DSA over the selected keys) or "dense" (the masked reference);
+  taps: training's requests of the attention (`glmjax.model.attention.Taps`, with impl="dense").
+  Taps collect traced values, so a Runtime that holds them is unhashable and can key no jit:
+  training calls the pure pass inside its own."""
+  kernel: str = "auto"
+  mesh: Any = None
+  impl: str = "sparse"
+  taps: Any = None
+
 # Keys without which the shapes are unknowable: a config lacking one is refused rather than
 # silently given transformers' full-size defaults.
 _REQUIRED = (

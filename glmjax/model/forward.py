@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from glmjax.model.attention import Taps, attention
-from glmjax.model.config import Config
-from glmjax.model.kvcache import KVCache, LayerCache, init_cache  # noqa: F401 (re-exported)
+from glmjax.model.attention import attention
+from glmjax.model.config import Config, Runtime
+from glmjax.model.kvcache import KVCache, LayerCache, PagedLayer, init_cache  # noqa: F401
 from glmjax.model.layers import F32, embed_rows, linear, rms_norm, swiglu
 from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
                               route_capped, route_scores)
@@ -76,21 +76,18 @@ class LayerHead:
   route_stats: Any = None
 
 
-def attn_route(lw, x, start, cfg: Config, cache=None, selection=None,
-               absorbed: bool | None = None, routing: Routing | None = None, pages=None,
-               impl: str = "sparse", taps: Taps | None = None) -> LayerHead:
-  """A layer up to its experts for `x` `[B, S, D]` at positions start..start+S-1: attention
-  (+ residual) and the MLP norm; MoE layers route (`routing`: exact top-k when None), dense
-  layers finish their MLP. `cache` is this layer's pool, addressed through `pages`
-  (glmjax.model.kvcache); `impl` the attention's ("sparse", or the masked "dense" reference);
-  `taps` training's requests of it (`Taps`)."""
-  steps = jnp.arange(x.shape[1], dtype=jnp.int32)
-  # [S]; per-row starts `[B]` (batched decoding) give per-row positions [B, S]
-  positions = start[:, None] + steps if jnp.ndim(start) == 1 else start + steps
+def attn_route(lw, chunk: "Chunk", cfg: Config, kv: PagedLayer | None = None,
+               absorbed: bool | None = None, routing: Routing | None = None,
+               runtime: Runtime = Runtime()) -> LayerHead:
+  """A layer up to its experts for the `chunk`'s `x` `[B, S, D]` at positions start..start+S-1
+  (its `selection` the last full indexer layer's): attention (+ residual) and the MLP norm;
+  MoE layers route (`routing`: exact top-k when None), dense layers finish their MLP. `kv` is
+  this layer's pool and page table (glmjax.model.kvcache)."""
+  x = chunk.x
   with jax.named_scope("attention"):
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    a, cache, selection = attention(lw.attn, h, positions, cfg, cache, pages, start, selection,
-                                    absorbed, impl, taps)
+    a, cache, selection = attention(lw.attn, h, chunk.start, cfg, kv, chunk.selection,
+                                    absorbed, runtime)
     x = x + a
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
@@ -142,10 +139,19 @@ class Steps:
   mtp_logits: Callable
 
 
-PURE = Steps(embed, attn_route, moe_finish, logits_of, mtp_input, mtp_output_logits)
+def _attn_route_step(lw, x, start, cfg, cache=None, pages=None, selection=None, absorbed=None,
+                     routing=None, runtime=Runtime()):
+  """`attn_route` with the layer's pool an argument of its own, so that a jit can donate it
+  (the page table, read by every layer, must not be)."""
+  kv = None if cache is None else PagedLayer(cache, pages)
+  return attn_route(lw, Chunk(x, start, selection=selection), cfg, kv, absorbed, routing, runtime)
+
+
+PURE = Steps(embed, _attn_route_step, moe_finish, logits_of, mtp_input, mtp_output_logits)
 JITTED = Steps(
     jax.jit(embed),
-    jax.jit(attn_route, static_argnames=("cfg", "absorbed", "impl"), donate_argnames=("cache",)),
+    jax.jit(_attn_route_step, static_argnames=("cfg", "absorbed", "runtime"),
+            donate_argnames=("cache",)),
     jax.jit(moe_finish),
     jax.jit(logits_of, static_argnames=("cfg",)),
     jax.jit(mtp_input, static_argnames=("cfg",)),
@@ -179,11 +185,13 @@ class ExpertProvider(Protocol):
     asking for the next one's, so one chunk's terms are held at a time."""
 
 
-def resident_experts(kernel: str = "auto", mesh=None) -> ExpertProvider:
+def resident_experts(runtime: Runtime = Runtime()) -> ExpertProvider:
   """The provider for weights held in the pytree: float `Experts` (HF checkpoints) or a layer's
   quantized `ExpertPool` in slot = expert id order (a store that fits), computed inside the
-  caller's jit by `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform). On a `mesh`
-  with an `expert` axis the experts are sharded along it and computed by `sharded_terms`."""
+  caller's jit by the runtime's `kernel` ("cpu" numba, "xla", "pallas"; "auto" by platform).
+  On a `mesh` with an `expert` axis the experts are sharded along it (`sharded_terms`)."""
+  kernel, mesh = runtime.kernel, runtime.mesh
+
   def provide(layer, m, chunks):
     for r in chunks:
       active = valid_rows(r.x.shape, r.n_valid, jnp)[:, None]
@@ -283,7 +291,7 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   the resident provider, combine; the same pieces as `forward`."""
   flat = x.reshape(-1, x.shape[-1]).astype(F32)  # [T, D]
   ids, w = route(flat, m.router, m.bias, cfg)
-  (ys,) = resident_experts(kernel)(0, m, [Routed(flat[None], flat, ids)])
+  (ys,) = resident_experts(Runtime(kernel))(0, m, [Routed(flat[None], flat, ids)])
   return moe_finish(m, jnp.zeros(x.shape, F32), flat, ys, w)
 
 
@@ -298,28 +306,45 @@ class Chunk:
   selection: Any = None
 
 
-def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache, pages, absorbed,
-           experts: ExpertProvider, steps: Steps, routing=None, impl: str = "sparse",
-           taps: Taps | None = None):
-  """One decoder layer through `steps` for every chunk in order, its routed experts from
+@dataclasses.dataclass(frozen=True)
+class Drive:
+  """How a pass goes through the layers (what it computes is the weights' and the config's):
+
+  `experts` supplies the routed-expert terms (None: the resident provider for `runtime`);
+  `steps` are the pieces, `PURE` inside the caller's jit or `JITTED` one by one (the offload
+  engine); `routing(layer)` gives a MoE layer's lossy `Routing` (None: exact top-k); `runtime`
+  is the static `Runtime` (its kernel and mesh serve the resident provider)."""
+  experts: ExpertProvider | None = None
+  steps: Steps = PURE
+  routing: Callable | None = None
+  runtime: Runtime = Runtime()
+
+  @property
+  def provider(self) -> ExpertProvider:
+    return self.experts or resident_experts(self.runtime)
+
+
+def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache: PagedLayer | None, absorbed,
+           drive: Drive, experts: ExpertProvider):
+  """One decoder layer through `drive.steps` for every chunk in order, its routed experts from
   `experts` (given all the chunks' routing at once). Returns the layer's cache."""
-  how = routing(i) if routing is not None else None  # this layer's Routing, or None
+  how = drive.routing(i) if drive.routing is not None else None  # this layer's Routing, or None
+  lc, pages = (None, None) if cache is None else (cache.cache, cache.pages)
   routed, weights = [], []
   for c in chunks:
-    extra = {} if taps is None else {"taps": taps}  # PURE steps only: a jit drops what taps keep
-    head = steps.attn_route(
-        lw, c.x, c.start, cfg=cfg, cache=cache, selection=c.selection, absorbed=absorbed,
-        routing=None if how is None else how.for_rows(c.n_valid), pages=pages, impl=impl,
-        **extra)
-    c.x, cache, c.selection = head.x, head.cache, head.selection
+    head = drive.steps.attn_route(
+        lw, c.x, c.start, cfg=cfg, cache=lc, pages=pages, selection=c.selection,
+        absorbed=absorbed, routing=None if how is None else how.for_rows(c.n_valid),
+        runtime=drive.runtime)
+    c.x, lc, c.selection = head.x, head.cache, head.selection
     routed.append(Routed(head.x, head.flat, head.ids, c.n_valid, head.route_stats))
     weights.append(head.weights)
   if routed[0].ids is not None:
     with jax.named_scope("experts"):
       # Run the provider to its end (a zip would stop before the work after its last chunk).
       for j, ys in enumerate(experts(i, lw.mlp, routed)):
-        chunks[j].x = steps.finish(lw.mlp, chunks[j].x, routed[j].flat, ys, weights[j])
-  return cache
+        chunks[j].x = drive.steps.finish(lw.mlp, chunks[j].x, routed[j].flat, ys, weights[j])
+  return lc
 
 
 def valid_rows(shape, n_valid, xp=np):
@@ -334,54 +359,50 @@ def valid_rows(shape, n_valid, xp=np):
 
 
 def layers(w: Weights, chunks: list[Chunk], cfg: Config, cache: KVCache | None = None,
-           absorbed=None, experts: ExpertProvider | None = None, steps: Steps = PURE,
-           routing=None, impl: str = "sparse", taps: Taps | None = None):
+           absorbed=None, drive: Drive = Drive()):
   """The decoder layers over `chunks` (updated in place to the final pre-norm hidden states),
-  layer-major: every chunk through layer L, then layer L + 1; `routing(layer)` gives a MoE
-  layer's lossy `Routing` (None: exact top-k). Returns the new cache's layers."""
-  experts = experts or resident_experts()
-  new_layers = []
-  for i, lw in enumerate(w.layers):
-    lc = None if cache is None else cache.layers[i]
-    pages = None if cache is None else cache.pages
-    new_layers.append(_layer(i, lw, chunks, cfg, lc, pages, absorbed, experts, steps,
-                             routing, impl, taps))
-  return new_layers
+  layer-major: every chunk through layer L, then layer L + 1. Returns the new cache's layers."""
+  experts = drive.provider
+  return [_layer(i, lw, chunks, cfg, None if cache is None else cache.layer(i), absorbed, drive,
+                 experts) for i, lw in enumerate(w.layers)]
+
+
+def hidden_states(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
+                  n_valid=None, start=0, drive: Drive = Drive()):
+  """The final pre-norm hidden states `[B, S, D]` of `tokens` `[B, S]` and the new cache:
+  `forward` without its head."""
+  start = start if cache is None else cache.length
+  chunk = Chunk(drive.steps.embed(w, tokens), start, n_valid)  # [B, S, D]
+  new_layers = layers(w, [chunk], cfg, cache, absorbed, drive)
+  return chunk.x, None if cache is None else KVCache(new_layers, cache.pages, cache.length)
 
 
 def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
-            experts: ExpertProvider | None = None, steps: Steps = PURE, n_valid=None,
-            routing=None, start=0, impl: str = "sparse", logits_at=None,
-            taps: Taps | None = None):
+            n_valid=None, start=0, drive: Drive = Drive()):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
-  This is the one forward pass: inside one jit with `steps=PURE` (resident models), or driven
-  step by step by the offload engine with `steps=JITTED` and its tiered `experts`. Also returns
-  the final pre-norm hidden states (the MTP head's input) and the new cache. Positions at or
-  past `n_valid` are padding: they never select experts. Without a cache the tokens sit at
-  `start`.. (0 by default); inside a jit, pass it as a traced int32 zero (`fresh_start()`): with a
-  constant start XLA specialises the softmax on the constant causal mask and its bits differ
-  from the engine's layer steps, whose start is always a run-time value. With `logits_at`
-  (an int32 position index) the head runs at that position only: logits `[B, 1, V]`.
+  This is the one forward pass: inside one jit with `PURE` steps (resident models), or driven
+  step by step by the offload engine with `JITTED` steps and its tiered experts (`Drive`).
+  Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
+  Positions at or past `n_valid` are padding: they never select experts. Without a cache the
+  tokens sit at `start`.. (0 by default); inside a jit, pass it as a traced int32 zero
+  (`fresh_start()`): with a constant start XLA specialises the softmax on the constant causal
+  mask and its bits differ from the engine's layer steps, whose start is always a run-time
+  value.
 
   Training differentiates this same pass (glmjax.train): `impl="dense"`, its own expert
   provider (which also keeps the router loads), and `taps` (`glmjax.model.attention.Taps`),
-  which collect what only training needs (the indexer's distillation target) and can turn
-  the DSA selection off; without taps nothing of it is computed.
+  both in the drive's `Runtime`, which collect what only training needs (the indexer's
+  distillation target) and can turn the DSA selection off; without taps nothing of it is
+  computed.
   """
-  start = start if cache is None else cache.length
-  chunk = Chunk(steps.embed(w, tokens), start, n_valid)  # [B, S, D]
-  new_layers = layers(w, [chunk], cfg, cache, absorbed, experts, steps, routing, impl, taps)
-  new_cache = None if cache is None else KVCache(new_layers, cache.pages, cache.length)
-  x = chunk.x
-  head = x if logits_at is None else jax.lax.dynamic_slice_in_dim(x, logits_at, 1, axis=1)
-  return steps.logits(w, head, cfg=cfg), x, new_cache
+  x, new_cache = hidden_states(w, tokens, cfg, cache, absorbed, n_valid, start, drive)
+  return drive.steps.logits(w, x, cfg=cfg), x, new_cache
 
 
 def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None = None,
-                start=None, absorbed: bool | None = None, experts: ExpertProvider | None = None,
-                steps: Steps = PURE, depth: int = 0, n_valid=None, impl: str = "sparse"):
-  """The MTP block at positions start..start+S-1 (0.. without a cache) over the main model's
+                absorbed: bool | None = None, drive: Drive = Drive(), depth: int = 0):
+  """The MTP block at positions cache.length.. (0.. without a cache) over the main model's
   hidden states h `[B, S, D]` and the tokens after them `[B, S]`.
 
   This is the one MTP step, for training (teacher-forced, no cache), speculative drafting
@@ -389,55 +410,55 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None =
   the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's output `[B, S, D]`,
   the MTP cache). Its experts are layer `num_hidden_layers + depth`.
   """
-  experts = experts or resident_experts()
   m = w.mtp[depth]
-  u = steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
-  chunk = Chunk(u, 0 if start is None else start, n_valid)
+  u = drive.steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
+  chunk = Chunk(u, 0 if cache is None else cache.length)
   lc = _layer(cfg.num_hidden_layers + depth, m.layer, [chunk], cfg,
-              None if cache is None else cache.layers[0], None if cache is None else cache.pages,
-              absorbed, experts, steps, None, impl=impl)
+              None if cache is None else cache.layer(0), absorbed, drive, drive.provider)
   new = None if cache is None else KVCache([lc], cache.pages, cache.length)
-  return steps.mtp_logits(w, m, chunk.x, cfg=cfg), chunk.x, new
+  return drive.steps.mtp_logits(w, m, chunk.x, cfg=cfg), chunk.x, new
 
 
 # --- jitted entry points -------------------------------------------------------------------
 
-# `kernel` ("auto" | "cpu" | "xla" | "pallas") selects the backend for quantized experts; it is
-# static because it selects different code, not because it changes shapes. So is `mesh` (None,
-# or the Mesh the weights are sharded over, for the MoE block's shard_map).
+# `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select different code, not
+# shapes.
 
 def fresh_start():
   """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
   return jnp.zeros((), jnp.int32)
 
 
-# `impl` ("sparse" | "dense") is the attention's: DSA over the selected keys, or the masked
-# dense reference.
+def _resident(w: Weights, cfg: Config, runtime: Runtime, records: list,
+              record: RecordOptions | None) -> Drive:
+  """The resident drive, appending each MoE layer's routing record to `records` if `record`."""
+  experts = resident_experts(runtime)
+  if record is not None:
+    experts = recording(experts, w, cfg, records, record)
+  return Drive(experts, runtime=runtime)
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh", "impl"))
-def score_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto", mesh=None,
-             impl: str = "sparse"):
+
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime"))
+def score_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime()):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`)."""
-  return forward(w, tokens, cfg, experts=resident_experts(kernel, mesh), start=start,
-                 impl=impl)[0]
+  return forward(w, tokens, cfg, start=start, drive=Drive(runtime=runtime))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "opts", "mesh", "impl"))
-def record_fn(w: Weights, tokens, start, cfg: Config, kernel: str = "auto",
-              opts: RecordOptions = RecordOptions(), mesh=None, impl: str = "sparse"):
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "opts"))
+def record_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime(),
+              opts: RecordOptions = RecordOptions()):
   """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept; `start`:
   `fresh_start()`): per MoE layer (in order), `route_record`'s arrays stacked to
   `[L, B·S, ...]`."""
   records: list = []
-  forward(w, tokens, cfg, experts=recording(resident_experts(kernel, mesh), w, cfg, records, opts),
-          start=start, impl=impl)
+  hidden_states(w, tokens, cfg, start=start, drive=_resident(w, cfg, runtime, records, opts))
   return stack_records(records)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "record", "mesh", "impl", "hidden"),
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "record", "hidden"),
                    donate_argnames=("cache",))
-def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel: str = "auto",
-               record: RecordOptions | None = None, mesh=None, impl: str = "sparse",
+def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
+               runtime: Runtime = Runtime(), record: RecordOptions | None = None,
                hidden: str = "last"):
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache: one
   prefill chunk.
@@ -449,39 +470,31 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config, kernel:
   overwritten before any query can see them.
   """
   records: list = []
-  experts = resident_experts(kernel, mesh)
-  if record is not None:
-    experts = recording(experts, w, cfg, records, record)
+  drive = _resident(w, cfg, runtime, records, record)
+  x, cache = hidden_states(w, tokens, cfg, cache, n_valid=n_valid, drive=drive)
   last = n_valid - 1
-  logits, x, cache = forward(w, tokens, cfg, cache, experts=experts, n_valid=n_valid, impl=impl,
-                             logits_at=last)
+  logits = logits_of(w, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)  # [B, 1, V]
   x = x if hidden == "all" else jax.lax.dynamic_index_in_dim(x, last, axis=1, keepdims=False)
   out = logits[:, 0], x, KVCache(cache.layers, cache.pages, cache.length + n_valid)
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "absorbed", "record", "mesh",
-                                             "impl"), donate_argnames=("cache",))
-def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, kernel: str = "auto",
-              absorbed: bool = True, record: RecordOptions | None = None, mesh=None,
-              n_valid=None, impl: str = "sparse"):
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "absorbed", "record"),
+                   donate_argnames=("cache",))
+def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, runtime: Runtime = Runtime(),
+              absorbed: bool = True, record: RecordOptions | None = None, n_valid=None):
   """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
   plus the routing records when `record` is given. Batched decoding passes a cache with
   per-row `length` `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
   records: list = []
-  experts = resident_experts(kernel, mesh)
-  if record is not None:
-    experts = recording(experts, w, cfg, records, record)
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed=absorbed, experts=experts,
-                             n_valid=n_valid, impl=impl)
+  logits, x, cache = forward(w, tokens, cfg, cache, absorbed, n_valid,
+                             drive=_resident(w, cfg, runtime, records, record))
   out = logits, x, KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1])
   return out + (stack_records(records),) if record is not None else out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernel", "mesh", "impl"),
-                   donate_argnames=("cache",))
-def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, kernel: str = "auto",
-           mesh=None, impl: str = "sparse"):
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime"), donate_argnames=("cache",))
+def mtp_fn(w: Weights, h, next_tokens, cache, start, cfg: Config, runtime: Runtime = Runtime()):
   """Cached MTP step(s) at positions start..: (logits `[B, S, V]`, output `[B, S, D]`, cache)."""
-  return mtp_forward(w, h, next_tokens, cfg, cache, start, absorbed=h.shape[1] <= 4,
-                     experts=resident_experts(kernel, mesh), impl=impl)
+  return mtp_forward(w, h, next_tokens, cfg, KVCache(cache.layers, cache.pages, start),
+                     absorbed=h.shape[1] <= 4, drive=Drive(runtime=runtime))

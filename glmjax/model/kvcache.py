@@ -38,6 +38,14 @@ class LayerCache:
   index_k: Any  # [P, PS, I] indexer keys (full-indexer layers), else None
 
 
+@dataclasses.dataclass
+class PagedLayer:
+  """One layer's pool and the rows' page table `[B, W]` that addresses it: where attention
+  writes its fresh keys and what it attends over."""
+  cache: LayerCache
+  pages: Any
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -49,6 +57,10 @@ class KVCache:
   layers: Any  # list[LayerCache]
   pages: Any  # [B, W] int32
   length: Any
+
+  def layer(self, i: int) -> "PagedLayer":
+    """Layer `i`'s pool with the page table that addresses it."""
+    return PagedLayer(self.layers[i], self.pages)
 
   @property
   def capacity(self) -> int:

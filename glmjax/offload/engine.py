@@ -42,8 +42,8 @@ from tqdm import tqdm
 
 from glmjax.errors import InputError
 from glmjax.formats.store import ExpertStore
-from glmjax.model.config import Config
-from glmjax.model.forward import (JITTED, Chunk, KVCache, RecordOptions, Routing, forward,
+from glmjax.model.config import Config, Runtime
+from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, RecordOptions, Routing, forward,
                                   layers, mtp_forward, recording)
 from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
@@ -55,6 +55,7 @@ from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider
 from glmjax.offload.rules import HostCache, layer_quotas
 from glmjax.offload.tiers import Heat, HostSlabs, Tiers
+from glmjax.options import Options
 from glmjax.sharding import axis_size
 
 USAGE_FILE = "usage.json"
@@ -88,18 +89,19 @@ class OffloadEngine:
   """Runs the model layer by layer over dense weights and a store's routed experts."""
 
   def __init__(self, cfg: Config, dense: Weights, store: ExpertStore, budgets: Budgets,
-               io_workers: int = 4, io_timeout_s: float = 60.0, cold: bool = False,
-               progress: bool = True, kernel: str = "auto", prefetch: bool = True,
-               pilot_k: int = 6, couple_k: int = 4, cache_route: tuple[int, int] | None = None,
-               expert_compute: str = "device", expert_budget: int | None = None, mesh=None,
-               attention: str = "sparse"):
-    if expert_compute not in PLACEMENTS:
-      raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {expert_compute!r}")
+               options: Options = Options(), mesh=None):
+    """`options`: the load options (glmjax.options), validated there; the engine reads its
+    I/O, prefetch, placement, routing and attention fields."""
+    o = options
+    if o.expert_compute not in PLACEMENTS:
+      raise ValueError(f"expert_compute must be one of {PLACEMENTS}, got {o.expert_compute!r}")
     self.cfg, self.dense, self.store = cfg, dense, store
-    self.progress = progress  # bars while loading, and over a layer-major prefill
-    self.impl = attention  # the attention's: "sparse" (DSA) or the "dense" reference
+    self.progress = o.progress  # bars while loading, and over a layer-major prefill
+    # The attention's impl: "sparse" (DSA) or the "dense" reference (the provider runs experts).
+    self.runtime = Runtime(impl=o.attention)
     self.budgets = budgets
-    self.expert_budget = expert_budget  # verify passes' expert cap (opt-in, lossy) or None
+    self.expert_budget = o.expert_budget  # verify passes' expert cap (opt-in, lossy) or None
+    cache_route = (o.route_keep, o.route_rank) if o.cache_route else None
     self.cache_route = cache_route
     self.moe_layers = [i for i, l in enumerate(dense.layers) if isinstance(l.mlp, MoE)]
     self.layout = store.layout(self.moe_layers[0])
@@ -135,11 +137,11 @@ class OffloadEngine:
     self.read_log: list[tuple[int, int]] = []
     read = lambda layer, expert, store=store, log=self.read_log: (
         log.append((layer, expert)), store.read_chunk(layer, expert))[1]
-    self.reader = ExpertReader(read, io_workers, io_timeout_s)
+    self.reader = ExpertReader(read, o.io_workers, o.io_timeout_s)
     # A model dropped without close() still stops its I/O threads when collected.
     self._finalizer = weakref.finalize(self, self.reader.close)
     self.usage_path = os.path.join(store.path, USAGE_FILE)
-    if cold:
+    if o.cold:
       drop_page_cache(os.path.join(store.path, "experts"))
     self.stats = collections.Counter({"experts_on_device": 0, "experts_on_host": 0,
                                       "h2d_bytes": 0})
@@ -150,23 +152,23 @@ class OffloadEngine:
       self.tiers.owned = self.owners.owned
     mtp = [cfg.num_hidden_layers] if dense.mtp else []
     pin_device_tier(self.tiers, store, self.reader, self.moe_layers, e, self.slots, dev_slots,
-                    self.all_resident, mtp, mesh, progress)
+                    self.all_resident, mtp, mesh, o.progress)
     # Prefetch: only worth it when a landed expert has somewhere to stay.
     self.prefetcher = Prefetcher(
         self.tiers, self.reader, store, self.stats, self.moe_layers, e,
         os.path.join(store.path, COUPLE_FILE), n_layers,
-        prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
-        pilot_k, couple_k)
-    self.placement = Placement(expert_compute, jax.default_backend() == "cpu", store,
+        o.prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
+        o.pilot_k, o.couple_k)
+    self.placement = Placement(o.expert_compute, jax.default_backend() == "cpu", store,
                                self.stats)
     self.provider = TieredProvider(cfg, dense, store, self.tiers, self.prefetcher, self.reader,
-                                   self.placement, self.stats, resolve_kernel(kernel), mesh,
+                                   self.placement, self.stats, resolve_kernel(o.moe_kernel), mesh,
                                    self.owners)
     # The fused step needs every expert in CPU memory addressable by slot and exact routing;
     # on a mesh it is off (its pin pools are one-device): steps run layer by layer.
     self.fused_step = FusedStep(
         cfg, dense, self.tiers, self.prefetcher, self.placement, self.stats, self.layout,
-        self.moe_layers, attention,
+        self.moe_layers, self.runtime,
         enabled=(self.placement.on_cpu and cache_route is None and not self.all_resident
                  and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1))
     # A host cache that can hold every routed expert of the main layers is filled in the
@@ -316,11 +318,11 @@ class OffloadEngine:
       out, cache = self.fused_step.run(tokens, cache, absorbed, n_valid, sure=all_cached)
     if out is None:
       misses = self.stats["expert_misses"]
-      out = forward(self.dense, tokens, self.cfg, cache, absorbed,
-                    experts=self._experts(record, record_opts),
-                    steps=self.provider.steps(n_valid), n_valid=n_valid,
-                    routing=((lambda _: Routing(cap=expert_cap)) if expert_cap is not None
-                             else self._routing if self._aware else None), impl=self.impl)
+      routing = ((lambda _: Routing(cap=expert_cap)) if expert_cap is not None
+                 else self._routing if self._aware else None)
+      out = forward(self.dense, tokens, self.cfg, cache, absorbed, n_valid, drive=Drive(
+          self._experts(record, record_opts), self.provider.steps(n_valid), routing,
+          self.runtime))
       if not dry:
         self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident and self.fused_step.unsettled is None and not dry:
@@ -356,9 +358,9 @@ class OffloadEngine:
         bar.update()
         return step(*args, **kw)
       step = steps.attn_route
-      new = layers(self.dense, pieces, self.cfg, cache, None, experts,
-                   dataclasses.replace(steps, attn_route=counted),
-                   self._routing if self._aware else None, self.impl)
+      new = layers(self.dense, pieces, self.cfg, cache, None, Drive(
+          experts, dataclasses.replace(steps, attn_route=counted),
+          self._routing if self._aware else None, self.runtime))
     self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
@@ -399,9 +401,10 @@ class OffloadEngine:
     experts come through the same tiers as the main layers' (the store's "mtp" group).
     """
     self.settle()
-    return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, cache,
-                       jnp.asarray(start, jnp.int32), absorbed=h.shape[1] <= 4,
-                       experts=self._experts(None, None), steps=JITTED, impl=self.impl)
+    at = KVCache(cache.layers, cache.pages, jnp.asarray(start, jnp.int32))
+    return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, at,
+                       absorbed=h.shape[1] <= 4,
+                       drive=Drive(self._experts(None, None), JITTED, runtime=self.runtime))
 
   def tier_state(self) -> dict:
     """The tiers' state as plain data (a live trace's starting point for the simulator):

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.model.config import Config
-from glmjax.model.forward import forward, fresh_start, valid_rows
+from glmjax.model.config import Config, Runtime
+from glmjax.model.forward import Drive, forward, fresh_start, valid_rows
 from glmjax.model.layers import F32
 from glmjax.model.moe import pool_terms
 from glmjax.model.weights import Weights
@@ -35,10 +35,10 @@ def _tier_terms(flat, valid, ids, pool, table):
   return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "impl"),
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime"),
                    donate_argnames=("cache",))
 def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cfg: Config,
-                  absorbed: bool, impl: str = "sparse"):
+                  absorbed: bool, runtime: Runtime = Runtime()):
   """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
   (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
   through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
@@ -66,8 +66,8 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cf
     missing.append(jnp.sum(valid & ~found))
     yield terms
 
-  logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, experts=provide,
-                             n_valid=n_valid, start=start, impl=impl)  # start: run-time, as the layer steps'
+  logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, n_valid, start,
+                             Drive(provide, runtime=runtime))  # start: run-time, as the layer steps'
   # One int32 vector, so the host fetches the whole record in one transfer.
   record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
                             jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
@@ -85,11 +85,11 @@ class FusedStep:
   without waiting for its record, which is settled (`unsettled`) at the engine's next call."""
 
   def __init__(self, cfg: Config, dense: Weights, tiers: Tiers, prefetcher: Prefetcher,
-               placement: Placement, stats, layout, moe_layers: list[int], impl: str,
+               placement: Placement, stats, layout, moe_layers: list[int], runtime: Runtime,
                enabled: bool):
     self.cfg, self.dense, self.tiers, self.prefetcher = cfg, dense, tiers, prefetcher
     self.placement, self.stats, self.layout, self.moe_layers = placement, stats, layout, moe_layers
-    self.impl, self.enabled = impl, enabled
+    self.runtime, self.enabled = runtime, enabled
     self.ready = False
     self.unsettled = None  # (record, tokens, valid) of a step returned before its bookkeeping
     self._compiled: dict = {}
@@ -139,7 +139,7 @@ class FusedStep:
     }
     nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers, self._zero)
-    static = dict(cfg=self.cfg, absorbed=absorbed, impl=self.impl)
+    static = dict(cfg=self.cfg, absorbed=absorbed, runtime=self.runtime)
     # Everything else in the signature is fixed for the engine's life (the slab is allocated
     # whole, the pin pools have fixed slots).
     key = (tokens.shape, None if cache is None else (cache.layers[0].latent.shape,

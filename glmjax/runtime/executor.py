@@ -4,6 +4,7 @@ plan. `executor_for` picks the executor of a loaded model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import Iterator, Protocol
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from glmjax.model.config import Config
+from glmjax.model.config import Config, Runtime
 from glmjax.model.forward import (KVCache, RecordOptions, bucket, decode_fn, mtp_fn, prefill_fn,
                                   record_fn, score_fn)
 
@@ -91,8 +92,8 @@ class Steps:
   def __init__(self, cfg: Config, weights, options, mesh=None, engine=None,
                dense_bytes: int | None = None):
     self.cfg, self.weights, self.mesh, self.engine = cfg, weights, mesh, engine
-    self.kernel = options.moe_kernel
-    self.impl = options.attention
+    # The static half of every compiled step (the options that become static arguments).
+    self.runtime = Runtime(options.moe_kernel, mesh, options.attention)
     self.chunk = options.prefill_chunk
     self.progress = options.progress  # a bar over a chunked prefill's chunks
     self.dense_bytes = dense_bytes
@@ -102,13 +103,14 @@ class Steps:
     self._stats_saved_at = time.monotonic()
 
   def __repr__(self):
-    return f"{type(self).__name__}(kernel={self.kernel!r}, attention={self.impl!r})"
+    return (f"{type(self).__name__}(kernel={self.runtime.kernel!r}, "
+            f"attention={self.runtime.impl!r})")
 
   def with_attention(self, impl: str) -> "Steps":
     """This executor with attention `impl` ("sparse" or "dense") and its own compiled steps:
     benchmarks compare the two on one loaded model."""
     other = copy.copy(self)
-    other.impl, other._compiled = impl, {}
+    other.runtime, other._compiled = dataclasses.replace(self.runtime, impl=impl), {}
     return other
 
   def put(self, x, dtype=None, batch: bool = False) -> jax.Array:
@@ -200,7 +202,7 @@ class ResidentExecutor(Steps):
     return self.weights
 
   def _static(self, **kw) -> dict:
-    return dict(cfg=self.cfg, kernel=self.kernel, mesh=self.mesh, impl=self.impl, **kw)
+    return dict(cfg=self.cfg, runtime=self.runtime, **kw)
 
   def prefill(self, cache, ids, start, hidden=False, recorder=None):
     plan = chunk_plan(len(ids), self.chunk)
@@ -262,8 +264,7 @@ class ResidentExecutor(Steps):
     return logits
 
   def record(self, arr, opts, fetch=True):
-    out = record_fn(self.weights, self.put(arr), self.put(0, jnp.int32), cfg=self.cfg,
-                    kernel=self.kernel, opts=opts, mesh=self.mesh, impl=self.impl)
+    out = record_fn(self.weights, self.put(arr), self.put(0, jnp.int32), **self._static(opts=opts))
     return {k: np.asarray(v) for k, v in out.items()} if fetch else out
 
   def warm_batch(self, cache, tokens, lengths):

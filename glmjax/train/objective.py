@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.model.attention import Taps
-from glmjax.model.config import Config
-from glmjax.model.forward import forward, mtp_forward
+from glmjax.model.config import Config, Runtime
+from glmjax.model.forward import Drive, forward, mtp_forward
 from glmjax.model.weights import Weights
 from glmjax.train.experts import capacity_experts
 
@@ -30,8 +30,10 @@ def train_forward(w: Weights, tokens, next_tokens, cfg: Config, select: bool, ca
   routing: list = []
   experts = capacity_experts(capacity, routing)
   taps = Taps(select=select)
-  logits, h, _ = forward(w, tokens, cfg, experts=experts, impl="dense", taps=taps)
-  mtp_logits, _, _ = mtp_forward(w, h, next_tokens, cfg, experts=experts, impl="dense")
+  logits, h, _ = forward(w, tokens, cfg, drive=Drive(experts, runtime=Runtime(impl="dense",
+                                                                              taps=taps)))
+  mtp_logits, _, _ = mtp_forward(w, h, next_tokens, cfg,
+                                 drive=Drive(experts, runtime=Runtime(impl="dense")))
   aux = dict(index=taps.index, load=jnp.stack([l for l, _ in routing]),
              dropped=jnp.stack([d for _, d in routing]))
   return logits, mtp_logits, aux
