@@ -152,7 +152,7 @@ HEAVY_FIRST = ("test_long_context.py", "test_multiprocess_offload.py", "test_spe
 # architecture's boundaries, the flags), for a developer's inner loop.
 FAST_TIER = ("test_sampling.py", "test_quant.py", "test_config.py", "test_cost_model.py",
              "test_replay_sim.py", "test_text.py", "test_cli.py", "test_architecture.py",
-             "test_hugepages.py", "test_chat_format.py")
+             "test_hugepages.py", "test_chat_format.py", "test_grammar.py")
 
 
 def pytest_collection_modifyitems(config, items):

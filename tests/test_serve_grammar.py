@@ -180,7 +180,7 @@ def test_model_generate_takes_a_json_schema(server):
   """The Python API: `Model.generate(json_schema=...)` samples under the same grammar; a schema
   it cannot take is an InputError naming the field."""
   schema = openai.lib._pydantic.to_strict_json_schema(Pick)  # additionalProperties: false
-  model, tok = server["model"], server["tok"]
+  model = server["model"]
   for seed in range(3):
     r = model.generate("Pick a color.", MAX_TOKENS, temperature=1.0, seed=seed,
                        json_schema=schema)
