@@ -107,24 +107,34 @@ def prefix_report() -> dict:
   return report
 
 
-def grammar_report() -> int:
-  """The grammar workload on an in-process server (or --url): warm-up, then the pairs."""
+def _target():
+  """(host, port, stop) of the server at --url, or of one started in this process."""
   if FLAGS.url:
     u = urllib.parse.urlparse(FLAGS.url)
-    host, port, stop = u.hostname, u.port or 80, lambda: None
-  else:
-    host, port, stop, _ = _start_server()
+    return u.hostname, u.port or 80, lambda: None
+  host, port, stop, _ = _start_server()
+  return host, port, stop
+
+
+def _emit(report: dict) -> None:
+  """The report as JSON on stdout, and at --json."""
+  out = json.dumps(report, indent=2)
+  print(out)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      f.write(out + "\n")
+
+
+def grammar_report() -> int:
+  """The grammar workload on an in-process server (or --url): warm-up, then the pairs."""
+  host, port, stop = _target()
   try:
     model = http_json(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
     grammar_phase(host, port, model, 2, FLAGS.max_tokens)  # compiles the shapes met
     report = grammar_phase(host, port, model, FLAGS.requests, FLAGS.max_tokens)
   finally:
     stop()
-  out = json.dumps({"workload": "grammar", "model": model, **report}, indent=2)
-  print(out)
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      f.write(out + "\n")
+  _emit({"workload": "grammar", "model": model, **report})
   return 0
 
 
@@ -133,20 +143,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if FLAGS.workload == "prefix":
     report = prefix_report()
-    out = json.dumps(report, indent=2)
-    print(out)
-    if FLAGS.json:
-      with open(FLAGS.json, "w") as f:
-        f.write(out + "\n")
+    _emit(report)
     phases = [report["cached"], report["uncached"]]
     return 0 if all(p["completed"] == p["requests"] for p in phases) else 1
   if FLAGS.workload == "grammar":
     return grammar_report()
-  if FLAGS.url:
-    u = urllib.parse.urlparse(FLAGS.url)
-    host, port, stop = u.hostname, u.port or 80, lambda: None
-  else:
-    host, port, stop, _ = _start_server()
+  host, port, stop = _target()
   try:
     model = http_json(host, port, "GET", "/v1/models")[1]["data"][0]["id"]
     for p in PROMPTS:  # warm-up: compiles the prefill shapes and the batch's decode step
@@ -165,11 +167,7 @@ def main(argv):
         report["bytes_per_token_ratio"] = con["bytes_per_token"] / seq["bytes_per_token"]
   finally:
     stop()
-  out = json.dumps(report, indent=2)
-  print(out)
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      f.write(out + "\n")
+  _emit(report)
   phases = [report[k] for k in ("sequential", "concurrent") if k in report]
   return 0 if all(p["completed"] == p["requests"] for p in phases) else 1
 
