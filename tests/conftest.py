@@ -163,6 +163,19 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.fast)
 
 
+def pytest_runtest_teardown(item, nextitem):
+  """At the end of each test file, a worker far into its memory-mapping limit drops JAX's
+  compiled executables (glmjax.runtime.compile_cache.relieve_map_pressure): a worker compiles
+  some 20,000 executables over a run, ~3 mappings each, and past vm.max_map_count XLA crashes
+  the worker in its next compile (the segfaults of docs/measurements/suite.md)."""
+  if nextitem is None or nextitem.path != item.path:
+    import warnings
+    from glmjax.runtime import compile_cache
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)
+      compile_cache.relieve_map_pressure(fraction=0.4)
+
+
 def pytest_unconfigure(config):
   if getattr(config, "glmjax_owns_xla_cache", False):
     shutil.rmtree(os.environ.pop("GLMJAX_TEST_XLA_CACHE"), ignore_errors=True)

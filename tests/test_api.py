@@ -4,12 +4,15 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import glmjax
-from glmjax.errors import InputError
+from glmjax.errors import GlmjaxError, InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,3 +142,39 @@ def test_load_turns_the_persistent_compile_cache_on(tmp_path):
                      timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert len(os.listdir(tmp_path / "xla")) >= 5  # every step of the generation, however small
+
+
+def _compile_tiny(n: int) -> list:
+  """`n` distinct tiny executables (each of its own shape), kept alive by JAX's caches."""
+  return [jax.jit(lambda x: x * 3 + 1)(jnp.ones((i + 1, 3))) for i in range(n)]
+
+
+def test_map_pressure_drops_compiled_executables(monkeypatch):
+  """Compiled executables hold memory mappings until JAX's caches drop them: 100 of them take
+  at least 200 more; under the threshold nothing is cleared, past it the caches are cleared
+  and the mappings come back (a worker that kept them all crashed in XLA at vm.max_map_count)."""
+  from glmjax.runtime import compile_cache
+  start = compile_cache.mappings()
+  if start is None:
+    pytest.skip("no /proc/self/maps on this platform")
+  _compile_tiny(100)
+  grown = compile_cache.mappings()[0]
+  assert grown >= start[0] + 200
+  compile_cache.relieve_map_pressure(fraction=(grown + 100) / start[1])  # under: kept
+  assert compile_cache.mappings()[0] >= grown - 10
+  with pytest.warns(RuntimeWarning, match="memory mappings"):
+    compile_cache.relieve_map_pressure(fraction=(grown - 100) / start[1])
+  assert compile_cache.mappings()[0] <= grown - 200
+
+
+def test_map_pressure_that_clearing_cannot_relieve_is_an_error(monkeypatch):
+  """A process still near the limit after the caches were cleared gets a GlmjaxError naming
+  the limit, rather than the crash of XLA's next compile."""
+  from glmjax.runtime import compile_cache
+  monkeypatch.setattr(compile_cache, "mappings", lambda: (63_000, 65_530))
+  with pytest.warns(RuntimeWarning), pytest.raises(GlmjaxError, match="vm.max_map_count"):
+    compile_cache.relieve_map_pressure()
+  monkeypatch.setattr(compile_cache, "mappings", lambda: (40_000, 65_530))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    compile_cache.relieve_map_pressure()  # under 75%: nothing to do, no warning

@@ -23,6 +23,7 @@ from glmjax.model.weights import Weights
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement
 from glmjax.offload.tiers import Tiers
+from glmjax.runtime import compile_cache
 
 # A step of more tokens than this runs fused only when the tiers hold every expert.
 FUSED_GUESS_TOKENS = 16
@@ -147,6 +148,7 @@ class FusedStep:
            None if nv is None else nv.shape, slab is None, absorbed)
     if key not in self._compiled:
       t0 = time.perf_counter()
+      compile_cache.relieve_map_pressure()
       self._compiled[key] = fused_forward.lower(*args, **static).compile()
       self.stats["fused_compile_s"] += time.perf_counter() - t0
     return self._compiled[key], args

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.model.config import Config, Runtime
+from glmjax.runtime import compile_cache
 from glmjax.model.forward import (KVCache, RecordOptions, bucket, decode_fn, mtp_fn, prefill_fn,
                                   record_fn, score_fn)
 
@@ -133,6 +134,7 @@ class Steps:
     key = (fn, tuple(sorted(static.items())), tuple(sorted(dynamic)),
            tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._compiled:
+      compile_cache.relieve_map_pressure()
       self._compiled[key] = fn.lower(*args, **dynamic, **static).compile()
     return self._compiled[key]
 
