@@ -20,3 +20,17 @@ class InputError(GlmjaxError):
 
 class PeerError(GlmjaxError):
   """Another process of a multi-process run died or left: a collective could not complete."""
+
+
+class ExpertIOError(GlmjaxError):
+  """A failed, corrupt or stalled read of a routed expert (glmjax.offload.expert_io). `layer`
+  and `expert` name it, as the message does. `rows` are the batch rows whose tokens routed to
+  it in the step that needed it (None: not known), so that a server fails those requests only;
+  `kv` is the KV cache the failed step left behind, usable from the step's start (None: lost),
+  taken by whoever resumes the other rows (glmjax.serving.batch)."""
+
+  def __init__(self, message: str, layer: int | None = None, expert: int | None = None):
+    super().__init__(message)
+    self.layer, self.expert = layer, expert
+    self.rows: tuple[int, ...] | None = None
+    self.kv = None

@@ -204,7 +204,8 @@ class Soak:
         "health_delta": d, "our_choices": dict(self.choices), "examples": self.examples,
         "kv_after": {**kv, "pages_in_use": kv["pages"] - kv["pages_free"]},
         "rss_mb": {"warm": _mb(warm_rss), "final": _mb(final_rss), "samples": self.rss,
-                   "growth_after_warmup": None if growth is None else round(growth, 4)},
+                   "growth_after_warmup": None if growth is None else round(growth, 4),
+                   "server_heap_trim": after.get("heap_trim")},  # the scheduler's trims
         "checks": checks, "ok": all(checks.values())}
 
 

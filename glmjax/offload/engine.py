@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from glmjax.errors import InputError
+from glmjax.errors import ExpertIOError, InputError
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config, Runtime
 from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, RecordOptions, Routing, forward,
@@ -61,6 +61,7 @@ from glmjax.sharding import axis_size
 USAGE_FILE = "usage.json"
 COUPLE_FILE = "couple.npy"
 PLACEMENTS = ("auto", "device", "host")
+READ_LOG = 1 << 16  # reads the engine's read log keeps (~5 MB)
 
 
 def _check_same_everywhere(path: str, dev_slots: int, cache_route: bool) -> None:
@@ -133,8 +134,9 @@ class OffloadEngine:
     if slabs.slab(self.moe_layers[0]).max_slots:  # the main layers' slab, filled now, not in
       slabs.slab(self.moe_layers[0]).reserve()  # the first prefill
     # The read function closes over the store only, never the engine (see ExpertReader).
-    # Every chunk this process reads, as (layer, expert), in submission order (the read log).
-    self.read_log: list[tuple[int, int]] = []
+    # The last READ_LOG chunks this process read, as (layer, expert), in submission order (the
+    # read log): bounded, since a server reads for ever (a list grew ~1 MB a minute in a soak).
+    self.read_log: collections.deque[tuple[int, int]] = collections.deque(maxlen=READ_LOG)
     read = lambda layer, expert, store=store, log=self.read_log: (
         log.append((layer, expert)), store.read_chunk(layer, expert))[1]
     self.reader = ExpertReader(read, o.io_workers, o.io_timeout_s)
@@ -320,9 +322,14 @@ class OffloadEngine:
       misses = self.stats["expert_misses"]
       routing = ((lambda _: Routing(cap=expert_cap)) if expert_cap is not None
                  else self._routing if self._aware else None)
-      out = forward(self.dense, tokens, self.cfg, cache, absorbed, n_valid, drive=Drive(
-          self._experts(record, record_opts), self.provider.steps(n_valid), routing,
-          self.runtime))
+      kept: dict = {}
+      try:
+        out = forward(self.dense, tokens, self.cfg, cache, absorbed, n_valid, drive=Drive(
+            self._experts(record, record_opts), self._keeping(self.provider.steps(n_valid), kept),
+            routing, self.runtime))
+      except ExpertIOError as e:
+        e.kv = self._salvaged(cache, kept)
+        raise
       if not dry:
         self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident and self.fused_step.unsettled is None and not dry:
@@ -351,21 +358,50 @@ class OffloadEngine:
     pieces = [Chunk(JITTED.embed(self.dense, t), start + int(o),
                     n_valid if j == len(chunks) - 1 else None)
               for j, (t, o) in enumerate(zip(chunks, offsets))]
-    steps = self.provider.steps(end=end)
+    kept: dict = {}
+    steps = self._keeping(self.provider.steps(end=end), kept)
     with tqdm(total=len(self.dense.layers) * len(pieces), desc="prefill", unit="chunk",
               leave=False, disable=not self.progress) as bar:
       def counted(*args, **kw):  # the bar moves by (layer, chunk)
         bar.update()
         return step(*args, **kw)
       step = steps.attn_route
-      new = layers(self.dense, pieces, self.cfg, cache, None, Drive(
-          experts, dataclasses.replace(steps, attn_route=counted),
-          self._routing if self._aware else None, self.runtime))
+      try:
+        new = layers(self.dense, pieces, self.cfg, cache, None, Drive(
+            experts, dataclasses.replace(steps, attn_route=counted),
+            self._routing if self._aware else None, self.runtime))
+      except ExpertIOError as e:
+        e.kv = self._salvaged(cache, kept)
+        raise
     self.fused_step.ready = self.stats["expert_misses"] == misses
     if not self.all_resident:
       self.heat.decay()
     return [p.x for p in pieces], KVCache(new, cache.pages, cache.length)
 
+
+  def _keeping(self, steps, kept: dict):
+    """`steps` whose attention step also keeps each layer's new KV arrays in `kept` (layer →
+    arrays): the step donates the old ones, so a forward failing part-way would lose them."""
+    attn_route = steps.attn_route
+
+    def call(lw, x, start, **kw):
+      out = attn_route(lw, x, start, **kw)
+      i = self.provider.layer_of(lw)
+      if i is not None and out.cache is not None:
+        kept[i] = out.cache
+      return out
+    return dataclasses.replace(steps, attn_route=call)
+
+  @staticmethod
+  def _salvaged(cache: KVCache | None, kept: dict) -> KVCache | None:
+    """What a forward over `cache` that failed on an expert read leaves usable: each layer it
+    reached as that layer's attention step returned it, the layers after as they were. Every
+    row's positions before the step's are intact; the positions the step wrote are
+    overwritten when it runs again, so the other rows resume exactly (DESIGN.md §23)."""
+    if cache is None:
+      return None
+    return KVCache([kept.get(i, lc) for i, lc in enumerate(cache.layers)], cache.pages,
+                   cache.length)
 
   def precompile(self, tokens, cache: KVCache, absorbed: bool = True) -> KVCache:
     """Compiles the steps of a `tokens` `[B, S]` shape ahead of its first real step (a

@@ -16,11 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from glmjax.errors import GlmjaxError
-
-
-class ExpertIOError(GlmjaxError):
-  """A failed, corrupt or stalled expert read; the message names the layer and expert."""
+from glmjax.errors import ExpertIOError  # noqa: F401 - its home before glmjax.errors; re-exported
 
 
 # Read priorities: lower is served first. Demand misses (including a verify pass's union)
@@ -83,7 +79,8 @@ class ExpertReader:
       try:
         blob = self.read_fn(layer, expert)
       except Exception as e:  # any failure becomes a named, clean error at the waiter
-        fut.set_exception(ExpertIOError(f"reading layer {layer} expert {expert} failed: {e}"))
+        fut.set_exception(ExpertIOError(f"reading layer {layer} expert {expert} failed: {e}",
+                                        layer, expert))
       else:
         fut.set_result(blob)
       finally:
@@ -148,8 +145,7 @@ class ExpertReader:
       return fut.result(timeout=self.timeout_s)
     except cf.TimeoutError:
       fut.cancel()
-      raise ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
-                          f"{self.timeout_s:.1f} s (stalled storage?)") from None
+      raise self._stalled(layer, expert) from None
     finally:
       self.wait_s += time.perf_counter() - t0
 
@@ -165,16 +161,22 @@ class ExpertReader:
       done, pending = cf.wait(pending, timeout=self.timeout_s, return_when=cf.FIRST_COMPLETED)
       self.wait_s += time.perf_counter() - t0
       if not done:
+        # The stalled read is one that started: a queued one only waits behind it.
+        running = [f for f in pending if f.running()] or pending
+        layer, expert = min(futures[f] for f in running)[:2]
         for fut in pending:
           fut.cancel()
-        layer, expert = min(futures[f] for f in pending)[:2]
-        raise ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
-                            f"{self.timeout_s:.1f} s (stalled storage?)")
+        raise self._stalled(layer, expert)
       for fut in sorted(done, key=futures.get):
         if fut.cancelled():
           layer, expert = futures[fut][:2]
-          raise ExpertIOError(f"reading layer {layer} expert {expert} was cancelled")
+          raise ExpertIOError(f"reading layer {layer} expert {expert} was cancelled", layer,
+                              expert)
         yield futures[fut], fut.result()
+
+  def _stalled(self, layer: int, expert: int) -> ExpertIOError:
+    return ExpertIOError(f"reading layer {layer} expert {expert} did not complete within "
+                         f"{self.timeout_s:.1f} s (stalled storage?)", layer, expert)
 
   @property
   def threads_alive(self) -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glmjax.errors import ExpertIOError
 from glmjax.model.config import Config
 from glmjax.model.forward import JITTED, bucket, valid_rows
 from glmjax.model.kernels import expert_ffn, pool_terms
@@ -89,6 +90,20 @@ class LayerStep:
       active[t, k] = True
       slots[t, k] = slot_of(e)
     return active, slots
+
+
+def attributed(e: ExpertIOError, steps: list[LayerStep], seq_lens: list[int]) -> ExpertIOError:
+  """`e` (a read of `e.expert` of the steps' layer failed) as a new error whose `rows` are the
+  batch rows whose tokens chose that expert in `steps` (chunk j's token t is row t // S_j): a
+  server fails those requests and re-runs the others. A fresh error, since `e` may be the
+  one a shared read future holds."""
+  out = ExpertIOError(str(e), e.layer, e.expert)
+  rows = set()
+  for step, s in zip(steps, seq_lens):
+    if e.layer == step.layer and e.expert in step.pairs:
+      rows.update(int(t) // s for t in step.pairs[e.expert][0])
+  out.rows = tuple(sorted(rows)) or None  # None: no row to blame (not this layer's expert)
+  return out
 
 
 class Placement:
@@ -182,7 +197,10 @@ class TieredProvider:
         None if stats[0] is None else np.concatenate(stats),
         None if pilots[0] is None else np.concatenate(pilots))
     self.stage("bookkeeping", t0)
-    yield from self.compute(layer, steps, owned, pinned, cached, futures)
+    try:
+      yield from self.compute(layer, steps, owned, pinned, cached, futures)
+    except ExpertIOError as e:  # named, and blamed on the rows that routed to the expert
+      raise attributed(e, steps, [r.x.shape[1] for r in chunks]) from e
 
   def stage(self, name: str, t0: float, wait=None) -> float:
     """With stage timing on (`stage_s` a dict), adds the time since `t0` to stage `name`
@@ -321,6 +339,10 @@ class TieredProvider:
                                         lambda d: pins.slot_grid(d, step, experts))
     return self.owners.combine(step.x, host_terms, pinned, kernel)
 
+
+  def layer_of(self, lw) -> int | None:
+    """The index of decoder layer weights `lw` (None: not a main layer, e.g. the MTP block's)."""
+    return self._layer_index.get(id(lw))
 
   def next_moe(self, layer: int) -> int | None:
     """The layer after `layer` if it is a MoE layer, else None."""

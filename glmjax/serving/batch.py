@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from glmjax.decoding.pages import GiB, KVPool, free_bytes
-from glmjax.errors import InputError
+from glmjax.errors import ExpertIOError, InputError
 
 AUTO_KV_SHARE = 4  # the automatic KV budget: at most a quarter of the memory still free
 
@@ -137,6 +137,17 @@ class BatchDecoder:
     import jax
     return any(a.is_deleted() for a in jax.tree.leaves(self.pool.layers))
 
+  def salvage(self, e: ExpertIOError) -> list | None:
+    """After a step failed on an expert read: takes back the KV arrays it left (`e.kv`, set by
+    the offload engine), so that no row loses its cache. Returns the tags of the rows whose
+    tokens routed to the expert (`e.rows`) when the other rows can simply step again; None
+    when the arrays are lost or no row is to blame (then `reset` and `restore` every row)."""
+    kv, e.kv = e.kv, None  # the error goes on to clients: it must not hold the pool
+    if kv is not None:
+      self.pool.update(kv)
+    tags = [self.rows[i].tag for i in e.rows or () if i < self.width and self.rows[i] is not None]
+    return tags if kv is not None and tags and not self.damaged() else None
+
   def reset(self) -> None:
     """New zeroed KV arrays after a fault; every live row must then be `restore`d."""
     self.pool.reset()
@@ -167,7 +178,13 @@ class BatchDecoder:
     try:
       pages += self.pool.alloc(self.pages_needed(total) - len(pages), grow=False)
       one = self.pool.cache([self.pool.table(pages, self.width_pages)], start, self.executor.put)
-      logits, _, one = self.executor.prefill(one, prompt_ids[start:], start)
+      try:
+        logits, _, one = self.executor.prefill(one, prompt_ids[start:], start)
+      except ExpertIOError as e:  # its own pages hold junk now; the other rows' are intact
+        kv, e.kv = e.kv, None
+        if kv is not None:
+          self.pool.update(kv)
+        raise
       self.pool.update(one)
       if prefix is not None:
         prefix.insert(prompt_ids, pages, n)

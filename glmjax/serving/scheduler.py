@@ -15,12 +15,13 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 
 import numpy as np
 
-from glmjax.errors import GlmjaxError, InputError, PeerError
+from glmjax.errors import ExpertIOError, GlmjaxError, InputError, PeerError
 from glmjax.decoding.generation import new_request
 from glmjax.decoding.logprobs import prompt_logprobs
 from glmjax.serving.batch import GiB, BatchDecoder, kv_budget
@@ -29,7 +30,62 @@ from glmjax.serving.follow import IDLE_TICK_S
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
 ENGINE_KEYS = ("expert_pin_hits", "expert_host_hits", "expert_misses", "expert_bytes_read")
-MAX_FAULTS = 3  # failed turns in a row before the live rows are failed rather than recomputed
+# Failed turns in a row before the live rows are failed rather than recomputed. A failed expert
+# read is blamed on the rows that routed to it (`_blame`): they fail, the rest step on; uncounted.
+MAX_FAULTS = 3
+
+
+# glibc keeps memory the threads free in their arenas: a 10-minute soak of an offloaded store
+# grew RSS 9.1% after warm-up, and malloc_trim(0) gave it back (docs/measurements/
+# reliability.md). The scheduler trims at a step boundary at most every TRIM_BUSY_S under
+# load (a trim that finds much to return takes ~10 ms), and when it falls idle, at most every
+# TRIM_IDLE_S.
+TRIM_BUSY_S, TRIM_IDLE_S = 10.0, 1.0
+
+
+def _malloc_trim():
+  """glibc's malloc_trim, or None (another C library, or no ctypes)."""
+  try:
+    import ctypes
+    return ctypes.CDLL(None).malloc_trim
+  except (ImportError, OSError, AttributeError):
+    return None
+
+
+def _rss_mb() -> float:
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+  except (OSError, ValueError, IndexError):
+    return 0.0
+
+
+class HeapTrim:
+  """Hands the heap memory freed since the last trim back to the OS (glibc's `malloc_trim(0)`,
+  which walks every thread's arena), at most every `busy_s` seconds while serving and every
+  `idle_s` once idle. A no-op off glibc. Counts its trims, their seconds and the RSS they
+  returned (the /health `heap_trim` figures)."""
+
+  def __init__(self, busy_s: float = TRIM_BUSY_S, idle_s: float = TRIM_IDLE_S):
+    self.fn = _malloc_trim()
+    self.busy_s, self.idle_s = busy_s, idle_s
+    self.last = time.monotonic()
+    self.trims, self.seconds, self.freed_mb = 0, 0.0, 0.0
+
+  def tick(self, idle: bool) -> None:
+    """After a turn: trims if the last trim is old enough for the scheduler's state."""
+    if self.fn is None or time.monotonic() - self.last < (self.idle_s if idle else self.busy_s):
+      return
+    before, t0 = _rss_mb(), time.perf_counter()
+    self.fn(0)
+    self.seconds += time.perf_counter() - t0
+    self.freed_mb += max(0.0, before - _rss_mb())
+    self.trims += 1
+    self.last = time.monotonic()
+
+  def state(self) -> dict:
+    return {"trims": self.trims, "seconds": round(self.seconds, 3),
+            "freed_mb": round(self.freed_mb, 1)}
 
 
 class QueueFull(GlmjaxError):
@@ -122,6 +178,7 @@ class Scheduler:
     self.counts = dict.fromkeys(("submitted", "completed", "cancelled", "failed", "steps",
                                  "faults", "recovered"), 0)
     self.peak_live = 0
+    self._trim = HeapTrim()
     self._engine_view = self._telemetry()  # published by the scheduler thread from now on
     self._thread = threading.Thread(target=self._run, name="glmjax-scheduler", daemon=True)
     self._thread.start()
@@ -156,6 +213,7 @@ class Scheduler:
       if pool.prefix is not None:
         out["kv"]["prefix_cached_pages"] = pool.prefix.cached_pages
         out["kv"]["prefix_hit_tokens"] = pool.prefix.hits_tokens
+      out["heap_trim"] = self._trim.state()
       if self._engine_view is not None:
         out["engine"] = {k: self._engine_view.get(k, 0.0) for k in ENGINE_KEYS}
     if self.dead:
@@ -225,10 +283,14 @@ class Scheduler:
         raise
       except Exception as e:  # a fault mid-step: the live requests are recomputed, not failed
         logging.exception("scheduler step failed")
-        faults += 1
-        self._recover(e, give_up=faults >= MAX_FAULTS)
+        if not self._blame(e):  # a fault blamed on its rows makes progress: not counted
+          faults += 1
+          self._recover(e, give_up=faults >= MAX_FAULTS)
         self._engine_view = self._engine_totals()
       self.model.executor.save_stats()  # throttled: at most every STATS_EVERY_S
+      with self._cond:
+        idle = not self._has_work()
+      self._trim.tick(idle)
 
   def _turn(self) -> None:
     """One step boundary: drop cancelled rows, admit waiting jobs, decode one step."""
@@ -327,6 +389,30 @@ class Scheduler:
       share = (after.get(k, 0.0) - before.get(k, 0.0)) / len(jobs)
       for job in jobs:
         job.engine[k] = job.engine.get(k, 0.0) + share
+
+  def _blame(self, error: Exception) -> bool:
+    """A step that failed on one expert's read (an ExpertIOError naming layer and expert, and
+    the batch rows whose tokens routed to it): those requests fail with it; the others keep
+    their KV cache as the failed step left it (`BatchDecoder.salvage`) and simply step again
+    next turn, so they finish with the tokens they give alone. False when the fault cannot be
+    blamed on rows (another kind of fault, the arrays lost, several processes): `_recover`."""
+    if not isinstance(error, ExpertIOError):
+      return False
+    if self.channel is not None:  # the followers' steps failed elsewhere: rebuild everywhere
+      error.kv = None
+      return False
+    jobs = self.batch.salvage(error)
+    if jobs is None:
+      return False
+    self.counts["faults"] += 1
+    for job in jobs:
+      self.batch.drop(job)
+      with self._cond:
+        self._jobs.pop(job.id, None)
+      self.counts["failed"] += 1
+      job.push("error", error)
+    self.counts["recovered"] += self.batch.live
+    return True
 
   def _recover(self, error: Exception, give_up: bool) -> None:
     """After a fault mid-step, whose step may have donated the batch's KV arrays: new arrays,
