@@ -178,3 +178,29 @@ def test_map_pressure_that_clearing_cannot_relieve_is_an_error(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     compile_cache.relieve_map_pressure()  # under 75%: nothing to do, no warning
+
+
+def test_a_session_compiles_few_steps_and_a_repeat_none():
+  """Buckets bound the shapes a user meets (prefill lengths: powers of two). A scripted session
+  (a 300-token prompt, generate, two chat turns, score) compiles at most 8 steps ahead; prompts
+  of every length from 33 to 64 add at most one prefill (one bucket) and no decode; the same
+  session again compiles nothing. (A pool that grows changes every step's shapes: the long
+  prompt comes first, and the chat gives its pages back.)"""
+  with glmjax.load(progress=False) as m:
+    def session():
+      m.generate(list(range(7, 307)), max_new_tokens=4)
+      m.generate("Hello there", max_new_tokens=8)
+      chat = m.chat()
+      chat.send("Hi", max_new_tokens=6)
+      chat.send("And again, with more words this time?", max_new_tokens=6)
+      chat.close()
+      m.score([m.tokenizer.encode("one two three four five six")])
+    session()
+    first = m.executor.compiled()
+    assert 2 <= len(first) <= 8 and first.count("decode_fn") == 1, first
+    for n in range(33, 65):
+      m.generate(list(range(7, 7 + n)), max_new_tokens=1)
+    grown = m.executor.compiled()
+    assert len(grown) <= len(first) + 1 and grown.count("decode_fn") == 1, grown
+    session()
+    assert m.executor.compiled() == grown

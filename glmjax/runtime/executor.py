@@ -75,6 +75,9 @@ class Executor(Protocol):
   def warm_batch(self, cache: KVCache, tokens: np.ndarray, lengths) -> KVCache:
     """Compiles a batch's decode step ahead, changing no counters; returns the cache."""
 
+  def compiled(self) -> list[str]:
+    """The steps compiled ahead so far, one entry (the step's name) per executable."""
+
   def telemetry(self) -> dict | None: ...
   def tier_state(self) -> dict | None: ...
   def sum_over_processes(self, view: dict) -> dict: ...
@@ -140,6 +143,9 @@ class Steps:
 
   def _at(self, cache: KVCache, length) -> KVCache:
     return KVCache(cache.layers, cache.pages, self.put(length, jnp.int32))
+
+  def compiled(self) -> list[str]:
+    return sorted(key[0].__name__ for key in self._compiled)
 
   # --- the engine's telemetry (None / no-ops without one) ------------------------------------
   def telemetry(self) -> dict | None:
