@@ -60,10 +60,10 @@ def test_sparse_equals_dense_through_the_cache(w):
 
   def run(impl):
     cache = kvcache.init_cache(CFG, 1, 64)
-    logits, _, cache = prefill_fn(w, cache, toks[:, :6], jnp.int32(6), cfg=CFG, runtime=RT[impl])
+    logits, _, cache, _ = prefill_fn(w, cache, toks[:, :6], jnp.int32(6), cfg=CFG, runtime=RT[impl])
     out = [np.asarray(logits[0])]
     for t in range(6, 46):
-      logits, _, cache = decode_fn(w, cache, toks[:, t:t + 1], cfg=CFG, runtime=RT[impl])
+      logits, _, cache, _ = decode_fn(w, cache, toks[:, t:t + 1], cfg=CFG, runtime=RT[impl])
       out.append(np.asarray(logits[0, 0]))
     return np.stack(out)
   assert rel_err(run("sparse"), run("dense")) <= TOL
@@ -89,7 +89,7 @@ def test_batched_decode_with_rows_at_their_own_lengths(w):
     cache = dataclasses.replace(base, pages=base.pages[rows],
                                 length=jnp.asarray(lengths[rows]))
     return np.asarray(decode_fn(w, cache, toks[rows], cfg=CFG, runtime=RT[impl],
-                                n_valid=jnp.ones(len(lengths[rows]), jnp.int32))[0][:, 0])
+                                n_valid=jnp.ones(len(lengths[rows]), jnp.int32)).logits[:, 0])
   both = run("sparse")
   assert rel_err(both, run("dense")) <= TOL
   for r in range(3):

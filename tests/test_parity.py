@@ -70,10 +70,10 @@ def test_cached_decode_matches_score_and_transformers(case):
   cfg, w = model.config, model.weights
   cache = init_cache(cfg, 1, 64)
   scored = model.score(full)[0]
-  logits, _, cache = prefill_fn(w, cache, jnp.asarray(full[:, :len(prompt)]), len(prompt), cfg=cfg)
+  logits, _, cache, _ = prefill_fn(w, cache, jnp.asarray(full[:, :len(prompt)]), len(prompt), cfg=cfg)
   steps = [np.asarray(logits[0])]
   for t in range(len(prompt), full.shape[1]):
-    logits, _, cache = decode_fn(w, cache, jnp.asarray(full[:, t:t + 1]), cfg=cfg)
+    logits, _, cache, _ = decode_fn(w, cache, jnp.asarray(full[:, t:t + 1]), cfg=cfg)
     steps.append(np.asarray(logits[0, 0]))
   assert rel_err(np.stack(steps), scored[len(prompt) - 1:]) <= TOL
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -455,6 +455,14 @@ def record_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime
   return stack_records(records)
 
 
+class StepOut(NamedTuple):
+  """What a cached step (`prefill_fn`, `decode_fn`) returns, whatever it was asked."""
+  logits: Any  # prefill: [B, V] at the last real token; decode: [B, S, V]
+  hidden: Any  # prefill: [B, D] there ("all": [B, S, D]); decode: [B, S, D]
+  cache: KVCache  # advanced past the step's tokens
+  records: dict | None = None  # `record_fn`'s routing records (padding rows included) if asked
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "runtime", "record", "hidden"),
                    donate_argnames=("cache",))
 def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
@@ -463,10 +471,8 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
   """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache: one
   prefill chunk.
 
-  Returns (logits `[B, V]` at the last real token, hidden `[B, D]` there (`hidden="all"`:
-  `[B, S, D]` at every position, the MTP head's inputs), cache advanced by `n_valid`), plus
-  the routing records (`record_fn`'s, padding rows included) when `record` is given. The head
-  runs at the last real token only. Padding positions land beyond `length` and are
+  Returns a `StepOut` (`hidden="all"`: the hidden state at every position, the MTP head's
+  inputs; records when `record` is given). The head runs at the last real token only. Padding positions land beyond `length` and are
   overwritten before any query can see them.
   """
   records: list = []
@@ -475,22 +481,22 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
   last = n_valid - 1
   logits = logits_of(w, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)  # [B, 1, V]
   x = x if hidden == "all" else jax.lax.dynamic_index_in_dim(x, last, axis=1, keepdims=False)
-  out = logits[:, 0], x, KVCache(cache.layers, cache.pages, cache.length + n_valid)
-  return out + (stack_records(records),) if record is not None else out
+  return StepOut(logits[:, 0], x, KVCache(cache.layers, cache.pages, cache.length + n_valid),
+                 stack_records(records) if record is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "runtime", "absorbed", "record"),
                    donate_argnames=("cache",))
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, runtime: Runtime = Runtime(),
               absorbed: bool = True, record: RecordOptions | None = None, n_valid=None):
-  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): (logits `[B, S, V]`, hidden, cache + S),
-  plus the routing records when `record` is given. Batched decoding passes a cache with
+  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): a `StepOut` (records when `record` is
+  given). Batched decoding passes a cache with
   per-row `length` `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
   records: list = []
   logits, x, cache = forward(w, tokens, cfg, cache, absorbed, n_valid,
                              drive=_resident(w, cfg, runtime, records, record))
-  out = logits, x, KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1])
-  return out + (stack_records(records),) if record is not None else out
+  return StepOut(logits, x, KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1]),
+                 stack_records(records) if record is not None else None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "runtime"), donate_argnames=("cache",))

@@ -225,11 +225,11 @@ class ResidentExecutor(Steps):
       fn = self._compile(prefill_fn, args, self._static(
           record=record, hidden="all" if hidden else "last"))
       out = fn(*args)
-      logits, x, cache = out[:3]
+      logits, x, cache = out.logits, out.hidden, out.cache
       if hidden:
         xs.append(np.asarray(x[0, :n]))
       if record is not None:
-        records.append(jax.tree_util.tree_map(lambda a, n=n: np.asarray(a)[:, :n], out[3]))
+        records.append(jax.tree_util.tree_map(lambda a, n=n: np.asarray(a)[:, :n], out.records))
       if not bar.disable:
         logits.block_until_ready()  # the bar moves as chunks finish, not as they are queued
       bar.update(n)
@@ -256,8 +256,8 @@ class ResidentExecutor(Steps):
     fn = self._compile(decode_fn, args, self._static(absorbed=absorbed, record=record), nv)
     out = fn(*args, **nv)
     if recorder is not None:
-      add_records(recorder, tokens, n_valid, out[3])
-    return out[:3]
+      add_records(recorder, tokens, n_valid, out.records)
+    return out.logits, out.hidden, out.cache
 
   def mtp(self, h, next_tokens, cache, start):
     return mtp_fn(self.weights, h, next_tokens, cache, self.put(start, jnp.int32),
