@@ -46,9 +46,11 @@ setup(
         # no one here wrote, which the server is tested with (anthropic ≥ 2: the SDK whose
         # dated anthropic-version header the tests meet); jsonschema checks tool-call arguments
         # against their schema independently of the server; pydantic: the models
-        # `chat.completions.parse` reads replies into.
+        # `chat.completions.parse` reads replies into; schemathesis fuzzes the server from its
+        # own /openapi.json (scripts/fuzz_server.py).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.2", "torch==2.13.0",
                  "nbclient>=0.10", "ipykernel>=6.29", "matplotlib>=3.8", "openai>=1.40",
-                 "pydantic>=2", "anthropic>=2.0", "jsonschema>=4.0", "lm-eval[api]==0.4.13"],
+                 "pydantic>=2", "anthropic>=2.0", "jsonschema>=4.0", "lm-eval[api]==0.4.13",
+                 "schemathesis>=4.0"],
     },
 )

@@ -4,10 +4,12 @@
   python scripts/serve.py --model=/nvme/glm5-int4 --host_cache_gb=64 --max_batch=8
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
-GET /tokenizer_info, POST /tokenize, POST /detokenize, GET /health. With an API key (--api_key,
---api_key_file or GLMJAX_API_KEY) every route but /health needs it. Requests decode together, up to --max_batch at a time; up to --max_queue more
-wait, and a request beyond that is answered 429. Unset temperature/top_p take the model's
-generation_config.json.
+GET /tokenizer_info, POST /tokenize, POST /detokenize, GET /health, GET /openapi.json (the
+routes' schema). With an API key (--api_key, --api_key_file or GLMJAX_API_KEY) every route but
+/health and /openapi.json needs it. Requests decode together, up to --max_batch at a time; up to
+--max_queue more wait, and a request beyond that is answered 429. Slow clients are cut off after
+--read_timeout_s; browsers on other origins are refused unless named in --cors_origins. Unset
+temperature/top_p take the model's generation_config.json.
 
 Several processes (hosts), each with its own tiers of the experts it owns (glmjax.offload.owners):
   python scripts/serve.py --model=/nvme/glm5-int4 --host_cache_gb=200 --mesh=expert:2 \
@@ -50,6 +52,13 @@ flags.DEFINE_string("api_key", None, "API key(s) clients must send (Authorizatio
                     "variable, else none (open).")
 flags.DEFINE_string("api_key_file", None, "A file of API keys, one per line (instead of --api_key).")
 flags.DEFINE_float("max_body_mb", 8, "Request bodies larger than this get 413.", lower_bound=0.001)
+flags.DEFINE_float("read_timeout_s", 30, "A request's headers must arrive within this many "
+                   "seconds of the connection opening (or of its previous response), else the "
+                   "connection is closed; its body within as many more, else 408 and closed "
+                   "(slow clients, slow-loris).", lower_bound=0.001)
+flags.DEFINE_string("cors_origins", None, "Comma-separated exact origins (scheme://host[:port]) "
+                    "whose pages may call the server cross-origin; default none (preflights get "
+                    "405). A wildcard is refused.")
 # Every glmjax.load option; the server's prefix cache is on by default and goes to the batch.
 cli.define_load_flags(defaults={"prefix_cache": True},
                       notes={"prefix_cache": "Here: the batch's requests share them."})
@@ -61,11 +70,14 @@ def main(argv):
   distributed.initialize()
   import uvicorn
   from glmjax.serving.app import create_app
+  from glmjax.serving import transport
   from glmjax.serving.guard import Guard, api_keys, is_loopback
   try:
     keys = api_keys(FLAGS.api_key, FLAGS.api_key_file)
+    origins = transport.cors_origins(FLAGS.cors_origins)
     guard = Guard(keys, loopback=is_loopback(FLAGS.host),
-                  max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20))
+                  max_body_bytes=int(FLAGS.max_body_mb * 2 ** 20),
+                  read_timeout_s=FLAGS.read_timeout_s)
     mesh = distributed.mesh_from_flags()
     model = glmjax.load(distributed.per_process(FLAGS.model), mesh=mesh,
                         **cli.load_options(exclude=("prefix_cache",)))
@@ -74,7 +86,7 @@ def main(argv):
     from glmjax.serving.follow import Channel
     channel = Channel() if distributed.process_count() > 1 else None
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
-                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache, channel)
+                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache, channel, origins)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     distributed.exit_now(1)  # several processes: the others' next collective fails
@@ -89,7 +101,9 @@ def main(argv):
         f"{', API key required' if keys else ''}",
         flush=True)
   try:
-    uvicorn.run(server, host=FLAGS.host, port=FLAGS.port, log_level="warning")
+    config = transport.server_config(server, FLAGS.host, FLAGS.port, FLAGS.read_timeout_s)
+    transport.escape_logs()  # after the config, which sets uvicorn's log handlers up
+    uvicorn.Server(config).run()
   finally:
     server.state.scheduler.close()
     model.close()

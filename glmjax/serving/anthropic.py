@@ -27,7 +27,8 @@ from glmjax.serving.protocol import ApiError
 _VERSION = re.compile(r"20\d\d-\d\d-\d\d")
 OLDEST_VERSION = "2023-01-01"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                413: "request_too_large", 431: "request_too_large",
                 415: "invalid_request_error", 429: "rate_limit_error", 499: "api_error"}
 
 
@@ -49,7 +50,7 @@ def error(e: ApiError) -> JSONResponse:
   """An ApiError in Anthropic's error shape."""
   kind = _ERROR_TYPES.get(e.status, "api_error" if e.status < 503 else "overloaded_error")
   return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}},
-                      status_code=e.status)
+                      status_code=e.status, headers=e.headers)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -84,6 +85,7 @@ def _turn(m: dict, where: str) -> list[dict]:
   for j, b in enumerate(content):
     at = f"{where}.content[{j}]"
     kind = b.get("type") if isinstance(b, dict) else None
+    kind = kind if isinstance(kind, str) else None  # a list or object would not hash (a 500)
     allowed = {("user", "text"): {"text"}, ("assistant", "text"): {"text"},
                ("user", "tool_result"): {"tool_use_id", "content", "is_error"},
                ("assistant", "tool_use"): {"id", "name", "input"},
@@ -190,12 +192,14 @@ def request(body: dict, supported: set) -> chat.ChatRequest:
 
 def _settings(body: dict, served: Served, n_prompt: int, req: chat.ChatRequest) -> dict:
   """Anthropic's sampling fields as the OpenAI checks read them."""
-  if not isinstance(body.get("max_tokens"), int) or isinstance(body["max_tokens"], bool):
+  if protocol.integral(body.get("max_tokens")) is None:
     raise _bad("max_tokens is required: an integer", "max_tokens")
   stops = body.get("stop_sequences")
   if stops is not None and not (isinstance(stops, list) and
+                                len(stops) <= fields.MAX_STOP_SEQUENCES and
                                 all(isinstance(s, str) and s for s in stops)):
-    raise _bad("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    raise _bad(f"stop_sequences must be a list of at most {fields.MAX_STOP_SEQUENCES} non-empty "
+               "strings", "stop_sequences")
   temperature = body.get("temperature")
   if temperature is not None and not (isinstance(temperature, (int, float)) and
                                       not isinstance(temperature, bool) and
@@ -203,7 +207,7 @@ def _settings(body: dict, served: Served, n_prompt: int, req: chat.ChatRequest) 
     raise _bad("temperature must be a number in [0, 1]", "temperature")
   openai = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "messages")
             if k in body}
-  settings = served.sampling(openai, n_prompt, body["max_tokens"],
+  settings = served.sampling(openai, n_prompt, protocol.integral(body["max_tokens"]),
                              list(stops or []) + req.stops)
   if req.grammar is not None:  # a forced tool use: its input follows the tool's input_schema
     settings["grammar"] = served.grammar(req.grammar)

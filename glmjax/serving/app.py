@@ -9,9 +9,12 @@
   GET  /tokenizer_info        eos/bos/pad tokens and the chat template (lm-eval's probe)
   POST /tokenize, /detokenize text ↔ token ids with the model's tokenizer
   GET  /health                liveness, batch and queue state, engine counters (no key needed)
+  GET  /openapi.json          the OpenAPI 3.1 description of these routes and their bounds
+                              (glmjax.serving.openapi; no key needed)
 
-Every route but /health checks the guard (API key, Host header, JSON body and its size: see
-glmjax.serving.guard). Routes check their input and answer OpenAI's error shape with a 4xx;
+Every route but /health checks the guard (API key, Host header, JSON body, its size and read
+timeout: see glmjax.serving.guard; /openapi.json the Host only); headers beyond 16 kB are a 431
+and cross-origin calls need --cors_origins (glmjax.serving.transport). Routes check their input and answer OpenAI's error shape with a 4xx;
 only a fault of the server itself is a 5xx. Streams are server-sent events ending with
 `data: [DONE]`; a client that goes away, streaming or not, cancels its choices, whose batch
 rows are freed at the next step boundary.
@@ -35,7 +38,7 @@ from starlette.routing import Route
 from glmjax.decoding import grammar, sampling
 from glmjax.decoding.grammar import GrammarSpec
 from glmjax.errors import GlmjaxError, InputError, PeerError
-from glmjax.serving import anthropic, chat, fields, protocol
+from glmjax.serving import anthropic, chat, fields, openapi, protocol, transport
 from glmjax.serving.guard import Guard
 from glmjax.serving.protocol import ApiError
 from glmjax.serving.scheduler import Job, QueueFull, ServerDown
@@ -49,20 +52,21 @@ def model_name(model) -> str:
 
 
 def _error(e: ApiError) -> JSONResponse:
-  return JSONResponse(e.body, status_code=e.status)
+  return JSONResponse(e.body, status_code=e.status, headers=e.headers)
 
 
 def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
                kv_cache_gb: float | None = None, guard: Guard | None = None,
-               prefix_cache: bool = True, channel=None):
+               prefix_cache: bool = True, channel=None, cors_origins: tuple[str, ...] = ()):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
   `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
   (None: automatic, glmjax.serving.batch.kv_budget), behind `guard` (default: no API key, a
   loopback bind, 8 MB bodies). With `prefix_cache`, requests reuse the KV pages of prompt
   prefixes already prefilled (glmjax.decoding.prefix). With `channel`
   (glmjax.serving.follow.Channel, on process 0 of several) the other processes follow its batch
-  operations. `app.state.scheduler` is its scheduler; call `app.state.scheduler.close()` when
-  done."""
+  operations. Browsers on `cors_origins` (exact origins, glmjax.serving.transport.cors_origins)
+  may call it cross-origin; by default none may. `app.state.scheduler` is its scheduler; call
+  `app.state.scheduler.close()` when done."""
   from glmjax.serving.scheduler import Scheduler
   name = name or model_name(model)
   guard = guard or Guard()
@@ -95,6 +99,9 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
     the chat request: all checks on a worker thread, before anything is queued."""
     fields.check(body, fields.CHAT if kind == "chat" else fields.COMPLETION,
                  fields.OPENAI_IGNORED)
+    if isinstance(body.get("stream_options"), dict):
+      fields.check(body["stream_options"], fields.STREAM_OPTIONS, fields.STREAM_OPTIONS_IGNORED,
+                   "stream_options.")
     protocol.check_model(body, name)
     stream = protocol.stream_flag(body)
     usage = protocol.include_usage(body)
@@ -223,12 +230,18 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   async def tokenizer_info(request: Request):
     return await guarded(request, lambda _: protocol.tokenizer_info(tok), needs_body=False)
 
+  def checked(allowed: set, answer):
+    def run(body: dict):
+      fields.check(body, allowed, fields.TOKENIZER_IGNORED)
+      return answer(body)
+    return run
+
   async def tokenize(request: Request):
-    return await guarded(request, lambda body: protocol.tokenize(tok, body))
+    return await guarded(request, checked(fields.TOKENIZE, lambda b: protocol.tokenize(tok, b)))
 
   async def detokenize(request: Request):
-    return await guarded(request, lambda body: protocol.detokenize(tok, body,
-                                                                   model.config.vocab_size))
+    return await guarded(request, checked(fields.DETOKENIZE, lambda b: protocol.detokenize(
+        tok, b, model.config.vocab_size)))
 
   async def health(request: Request):
     state = scheduler.state()
@@ -237,6 +250,17 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       state["memory"] = dict(dataclasses.asdict(model.memory))
     return JSONResponse({"status": "ok" if ok else "error", "model": name, **state},
                         status_code=200 if ok else 503)
+
+  schema = openapi.document(name, scheduler.context, model.config.vocab_size,
+                            bool(guard.keys), DEFAULT_MAX_TOKENS,
+                            "reasoning_effort" in (tok.chat_template or ""))
+
+  async def openapi_json(request: Request):
+    try:
+      guard.admit(request, needs_key=False)  # the Host check still holds
+    except ApiError as e:
+      return _error(e)
+    return JSONResponse(schema)
 
   async def not_found(request: Request, exc):
     status = getattr(exc, "status_code", 404)
@@ -253,7 +277,10 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
       Route("/tokenize", tokenize, methods=["POST"]),
       Route("/detokenize", detokenize, methods=["POST"]),
       Route("/health", health, methods=["GET"]),
+      Route("/openapi.json", openapi_json, methods=["GET"]),
   ], exception_handlers={404: not_found, 405: not_found})
+  app.add_middleware(transport.HeaderCap)
+  transport.with_cors(app, cors_origins)
   app.state.scheduler = scheduler
   app.state.model_name = name
   app.state.guard = guard
@@ -282,7 +309,8 @@ def _failure(e: Exception) -> ApiError:
 
 
 def _sse(obj) -> str:
-  return f"data: {json.dumps(obj)}\n\n"
+  # A NaN would go out as `NaN`, which is not JSON: the stream fails instead (the server's fault).
+  return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
 
 
 async def _events(jobs: list[Job], reply: protocol.Reply, include_usage: bool,

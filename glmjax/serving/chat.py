@@ -17,7 +17,8 @@ from glmjax.serving.protocol import ApiError
 
 # OpenAI's rule for function names; it also keeps a forced call's name (which the server
 # writes into the prompt itself) free of any control token's spelling.
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # also the published schema's (glmjax.serving.openapi)
+_NAME = re.compile(NAME_PATTERN)
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -147,6 +148,10 @@ def messages(body: dict) -> list[dict]:
       raise _bad(f"{where}.role {role!r} is not supported (system or developer, user, "
                  "assistant, tool)", where + ".role")
     msg: dict[str, Any] = {"role": role}
+    if m.get("tool_calls") is not None and (role != "assistant" or
+                                            not isinstance(m["tool_calls"], list)):
+      raise _bad(f"{where}.tool_calls must be a list, on an assistant message",
+                 where + ".tool_calls")
     if role == "assistant" and m.get("tool_calls"):
       msg["tool_calls"] = _calls(m["tool_calls"], where + ".tool_calls")
       msg["content"] = "" if m.get("content") is None else _text(m["content"], where + ".content")
@@ -196,6 +201,8 @@ def function(fn: dict, at: str) -> dict:
   if not isinstance(fn.get("parameters", {}), dict):
     raise _bad(f"{at}.parameters must be a JSON schema object", at + ".parameters",
                "invalid_type")
+  if not isinstance(fn.get("strict", False), (bool, type(None))):
+    raise _bad(f"{at}.strict must be a boolean", at + ".strict", "invalid_type")
   return {k: fn[k] for k in ("name", "description", "parameters", "strict") if k in fn}
 
 

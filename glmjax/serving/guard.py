@@ -2,22 +2,26 @@
 request body (JSON only, size-capped, parsed off the event loop).
 
 A browser on the same machine can be made to POST to `localhost` by any web page; only a JSON
-content type (which needs a CORS preflight the server never grants) and a loopback `Host`
-header (which a DNS-rebinding page cannot send) keep such requests out.
+content type (which needs a CORS preflight the server grants only to the origins of
+`--cors_origins`, none by default) and a loopback `Host` header (which a DNS-rebinding page
+cannot send) keep such requests out. A body must arrive within `read_timeout_s` (slow-loris:
+a 408, and the connection is closed; glmjax.serving.transport bounds the headers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import os
 
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from glmjax.errors import InputError
 from glmjax.serving.protocol import ApiError
+from glmjax.serving.transport import DEFAULT_READ_TIMEOUT_S
 
 DEFAULT_MAX_BODY_MB = 8
 KEY_ENV = "GLMJAX_API_KEY"
@@ -55,15 +59,20 @@ def api_keys(key: str | None = None, key_file: str | None = None) -> tuple[str, 
 
 class Guard:
   """Checks a request before the app reads it: `keys` (none: open), `loopback` (the server is
-  bound to a loopback address: foreign Host headers are refused), `max_body_bytes`."""
+  bound to a loopback address: foreign Host headers are refused), `max_body_bytes`, and
+  `read_timeout_s` for the whole body to arrive."""
 
   def __init__(self, keys: tuple[str, ...] = (), loopback: bool = True,
-               max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20):
+               max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
     if max_body_bytes < 1:
       raise InputError(f"max_body_mb must be > 0, got {max_body_bytes / 2 ** 20}")
+    if not read_timeout_s > 0:
+      raise InputError(f"read_timeout_s must be > 0, got {read_timeout_s}")
     self.keys = tuple(k.encode() for k in keys)
     self.loopback = loopback
     self.max_body_bytes = max_body_bytes
+    self.read_timeout_s = read_timeout_s
 
   def admit(self, request: Request, needs_key: bool = True) -> None:
     """403 for a foreign Host on a loopback bind, 401 for a missing or wrong key."""
@@ -87,8 +96,9 @@ class Guard:
     return ok
 
   async def json_body(self, request: Request) -> dict:
-    """The request's JSON object: 415 unless application/json, 413 beyond the size cap, 400
-    for anything that is not a JSON object. Parsed on a worker thread."""
+    """The request's JSON object: 415 unless application/json, 413 beyond the size cap, 408
+    (closing the connection) when it has not all come within the read timeout, 400 for
+    anything that is not a JSON object. Parsed on a worker thread."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
       raise ApiError(415, f"the request body must be application/json, got {kind or 'none'!r}",
@@ -96,12 +106,22 @@ class Guard:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
       raise self._too_large()
+    try:
+      raw = await asyncio.wait_for(self._read(request), self.read_timeout_s)
+    except asyncio.TimeoutError:
+      raise ApiError(408, f"the request body did not arrive within {self.read_timeout_s} s",
+                     None, "request_timeout", headers={"connection": "close"}) from None
+    except ClientDisconnect:
+      raise ApiError(499, "the client went away", None, "client_closed") from None
+    return await run_in_threadpool(parse_json, raw)
+
+  async def _read(self, request: Request) -> bytes:
     raw = bytearray()
     async for part in request.stream():
       raw += part
       if len(raw) > self.max_body_bytes:
         raise self._too_large()
-    return await run_in_threadpool(parse_json, bytes(raw))
+    return bytes(raw)
 
   def _too_large(self) -> ApiError:
     return ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes (--max_body_mb)",

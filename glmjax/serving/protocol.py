@@ -10,27 +10,54 @@ import time
 import uuid
 from typing import Any, Callable
 
-# Sampling bounds as OpenAI documents them.
-_TEMPERATURE = (0.0, 2.0)
 MAX_LOGPROBS = 20  # alternatives per position (vLLM's default --max-logprobs)
 MAX_CHOICES = 16  # prompts × n in one request: each choice takes a batch row
 MAX_SEED = 2 ** 63  # the PRNG key is an int64
 MAX_TOP_K = 256  # glmjax.decoding.sampling.PRESELECT: larger ks compile a sampler each
 MAX_REPETITION_PENALTY = 10.0
+# Logits are divided by the penalty in float32: near 1e-38 it underflows and the distribution
+# turns to NaN (found by scripts/fuzz_server.py: NaN logprobs, a 500). Far above that point.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_STOPS = 4  # OpenAI's limit on `stop`
+
+# The bounds of the numeric fields: the checks below and the published schema
+# (glmjax.serving.openapi) both read these tables, so the two cannot drift apart.
+# Numbers: (low, high, low excluded); sampling bounds as OpenAI documents them.
+NUMBER_BOUNDS = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True),
+                 "min_p": (0.0, 1.0, False),
+                 "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, False),
+                 "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False)}
+# Integers: [low, high]. top_k -1 is vLLM's spelling of off.
+INT_BOUNDS = {"seed": (0, MAX_SEED - 1), "top_k": (-1, MAX_TOP_K), "n": (1, MAX_CHOICES),
+              "logprobs": (0, MAX_LOGPROBS), "top_logprobs": (0, MAX_LOGPROBS)}
 
 
 class ApiError(Exception):
   """A client error: `status` and the body `{"error": {message, type, param, code}}`."""
 
   def __init__(self, status: int, message: str, param: str | None = None,
-               code: str | None = None, kind: str = "invalid_request_error"):
+               code: str | None = None, kind: str = "invalid_request_error",
+               headers: dict | None = None):
     super().__init__(message)
     self.status = status
+    self.headers = headers  # e.g. {"connection": "close"} after a body that never came
     self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
+def integral(v) -> int | None:
+  """`v` as an int if it is a JSON integer, else None. JSON (and JSON Schema) make no
+  difference between 2 and 2.0, and clients in languages without an int type send either."""
+  if isinstance(v, bool):
+    return None
+  if isinstance(v, int):
+    return v
+  if isinstance(v, float) and v.is_integer():
+    return int(v)
+  return None
+
+
+def _number(body: dict, name: str, default: float) -> float:
+  lo, hi, lo_open = NUMBER_BOUNDS[name]
   v = body.get(name, default)
   if v is None:
     return default
@@ -47,9 +74,10 @@ def _int(body: dict, name: str, default: int | None, lo: int = -2 ** 63,
   v = body.get(name, default)
   if v is None:
     return default
-  if isinstance(v, bool) or not isinstance(v, int):
+  if integral(v) is None:
     raise ApiError(400, f"{name} must be an integer, got {type(v).__name__}", name,
                    "invalid_type")
+  v = integral(v)
   if not lo <= v <= hi:
     raise ApiError(400, f"{name} must be in [{lo}, {hi}], got {v}", name, "invalid_value")
   return v
@@ -71,8 +99,10 @@ def _stops(body: dict) -> list[str]:
     return []
   if isinstance(v, str):
     v = [v]
-  if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 4:
-    raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them",
+  if (not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or
+      len(v) > MAX_STOPS):
+    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of "
+                   "them",
                    "stop", "invalid_type")
   return v
 
@@ -89,33 +119,35 @@ def sampling(body: dict, n_prompt: int, context: int, default_max: int,
                    "tokens and must hold at least one generated token", "messages"
                    if "messages" in body else "prompt", "context_length_exceeded")
   room = context - n_prompt
-  max_tokens = _int(body, "max_completion_tokens", None)
-  max_tokens = _int(body, "max_tokens", max_tokens)
-  if max_tokens is None:
-    max_tokens = min(default_max, room)
-  if max_tokens < (0 if echo(body) else 1):  # echo with 0 new tokens scores the prompt only
-    raise ApiError(400, f"max_tokens must be ≥ 1 (≥ 0 with echo), got {max_tokens}",
-                   "max_tokens", "invalid_value")
-  if max_tokens > room:
-    raise ApiError(400, f"max_tokens ({max_tokens}) + the prompt ({n_prompt} tokens) exceed "
-                   f"the context of {context} tokens", "max_tokens", "context_length_exceeded")
-  seed = _int(body, "seed", 0, 0, MAX_SEED - 1)
+  given = {}  # max_tokens wins over max_completion_tokens; both, when given, are checked
+  for name in ("max_completion_tokens", "max_tokens"):
+    v = _int(body, name, None)
+    if v is None:
+      continue
+    if v < (0 if echo(body) else 1):  # echo with 0 new tokens scores the prompt only
+      raise ApiError(400, f"{name} must be ≥ 1 (≥ 0 with echo), got {v}", name,
+                     "invalid_value")
+    if v > room:
+      raise ApiError(400, f"{name} ({v}) + the prompt ({n_prompt} tokens) exceed the context "
+                     f"of {context} tokens", name, "context_length_exceeded")
+    given[name] = v
+  max_tokens = given.get("max_tokens", given.get("max_completion_tokens",
+                                                 min(default_max, room)))
+  seed = _int(body, "seed", 0, *INT_BOUNDS["seed"])
   return dict(max_new_tokens=max_tokens, logprobs=logprobs(body),
-              temperature=_number(body, "temperature", defaults.get("temperature", 1.0),
-                                  *_TEMPERATURE),
-              top_p=_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
+              temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+              top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
               seed=seed, stop=_stops(body) + list(own_stops or ()),
-              top_k=_top_k(body), min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-              repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0,
-                                         MAX_REPETITION_PENALTY, lo_open=True),
-              presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-              frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
+              top_k=_top_k(body), min_p=_number(body, "min_p", 0.0),
+              repetition_penalty=_number(body, "repetition_penalty", 1.0),
+              presence_penalty=_number(body, "presence_penalty", 0.0),
+              frequency_penalty=_number(body, "frequency_penalty", 0.0))
 
 
 def _top_k(body: dict) -> int:
   """`top_k`: 0 or -1 (vLLM's spelling) is off. Values up to the sampler's pre-selection run in
   the one compiled sampler; a larger k would compile a sampler of its own for each value."""
-  k = _int(body, "top_k", 0, -1, MAX_TOP_K)
+  k = _int(body, "top_k", 0, *INT_BOUNDS["top_k"])
   return 0 if k == -1 else k
 
 
@@ -147,13 +179,13 @@ def logprobs(body: dict) -> int | None:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs",
                        "invalid_value")
       return None
-    return _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
-  return _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return _int(body, "top_logprobs", 0, *INT_BOUNDS["top_logprobs"])
+  return _int(body, "logprobs", None, *INT_BOUNDS["logprobs"])
 
 
 def choices_per_prompt(body: dict, n_prompts: int) -> int:
   """`n`: choices per prompt, each its own batch row; prompts × n at most MAX_CHOICES."""
-  n = _int(body, "n", 1, 1, MAX_CHOICES)
+  n = _int(body, "n", 1, *INT_BOUNDS["n"])
   if n * n_prompts > MAX_CHOICES:
     raise ApiError(400, f"{n_prompts} prompts × n={n} exceed {MAX_CHOICES} choices in one "
                    "request", "n", "invalid_value")
@@ -170,20 +202,25 @@ def check_model(body: dict, served: str) -> None:
                    "model", "model_not_found")
 
 
-def _token_ids(p) -> bool:
-  return (isinstance(p, list) and bool(p) and
-          all(isinstance(t, int) and not isinstance(t, bool) for t in p))
+def token_ids(p) -> list[int] | None:
+  """`p` as a list of token ids (ints, or integral floats), or None if it is not one; the
+  vocabulary's range is glmjax.api.Model.check_tokens' to check."""
+  if not isinstance(p, list) or not p:
+    return None
+  ids = [integral(t) for t in p]
+  return None if None in ids else ids
 
 
 def prompts(body: dict) -> list:
   """A completion's prompts, each text or a list of token ids: `prompt` is a string, a
   token-id list, or a list of either (a batch: one choice per prompt, in order)."""
   p = body.get("prompt")
-  if (isinstance(p, str) and p) or _token_ids(p):
-    return [p]
-  if (isinstance(p, list) and p and len(p) <= MAX_CHOICES and
-      all((isinstance(q, str) and q) or _token_ids(q) for q in p)):
-    return p
+  if (isinstance(p, str) and p) or token_ids(p):
+    return [p if isinstance(p, str) else token_ids(p)]
+  if isinstance(p, list) and p and len(p) <= MAX_CHOICES:
+    out = [q if isinstance(q, str) and q else token_ids(q) for q in p]
+    if all(out):
+      return out
   raise ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of at "
                  f"most {MAX_CHOICES} of either", "prompt", "invalid_type")
 
@@ -333,8 +370,8 @@ def tokenize(tok, body: dict) -> dict:
 def detokenize(tok, body: dict, vocab_size: int) -> dict:
   """POST /detokenize {tokens}: {"prompt": text}."""
   ids = body.get("tokens")
-  if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and
-                                        0 <= t < vocab_size for t in ids)):
+  ids = [] if ids == [] else token_ids(ids)
+  if ids is None or not all(0 <= t < vocab_size for t in ids):
     raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size})", "tokens",
                    "invalid_type")
   return {"prompt": tok.decode(ids)}
