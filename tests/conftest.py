@@ -144,7 +144,7 @@ HEAVY_FIRST = ("test_long_context.py", "test_multiprocess_offload.py", "test_spe
                "test_serve_clients.py", "test_train.py", "test_offload.py",
                "test_dense_quant.py", "test_grouped.py", "test_mesh.py", "test_replay.py",
                "test_robustness.py", "test_calibration.py", "test_store.py",
-               "test_batch_decode.py")
+               "test_batch_decode.py", "test_attacks.py", "test_serve_faults.py")
 
 
 # The fast tier (`pytest -m fast tests`, README): the files that load no model and compile no
