@@ -104,6 +104,8 @@ def main(argv):
     config = transport.server_config(server, FLAGS.host, FLAGS.port, FLAGS.read_timeout_s)
     transport.escape_logs()  # after the config, which sets uvicorn's log handlers up
     uvicorn.Server(config).run()
+  except KeyboardInterrupt:  # the signal that stopped the server, raised again once it shut
+    pass  # down (uvicorn.run, which this replaces, swallows it the same way)
   finally:
     server.state.scheduler.close()
     model.close()
