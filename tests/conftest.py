@@ -208,3 +208,24 @@ def embedded_store(tmp_path_factory):
   r = convert_store(embedded.ensure(progress=False), dst)
   assert r.returncode == 0, r.stderr
   return dst
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With GLMJAX_TEST_CPU_LOG=<dir>, appends each test's CPU seconds (this worker's and the
+  processes it waited for: user + system) to <dir>/<worker>.tsv: the suite's budget is CPU, and
+  a test's wall time on two busy cores says little about it."""
+  log = os.environ.get("GLMJAX_TEST_CPU_LOG")
+  if not log:
+    yield
+    return
+  import resource
+
+  def cpu():
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+  start = cpu()
+  yield
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  with open(os.path.join(log, worker + ".tsv"), "a", encoding="utf-8") as f:
+    f.write(f"{item.nodeid}\t{cpu() - start:.2f}\n")

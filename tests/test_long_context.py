@@ -27,6 +27,10 @@ RT = {impl: Runtime(impl=impl) for impl in ("sparse", "dense")}  # the attention
 CFG = tiny_config(num_hidden_layers=3, indexer_types=["full", "shared", "full"], index_topk=K,
                   index_n_heads=4, n_routed_experts=4)
 TOL = 1e-6
+# Chunked against one-piece prefill: attention over the cache's pages against the fresh keys,
+# so more summations change order than sparse against dense; 12 token seeds gave 0.78-1.98e-6
+# of max |logit| (2026-12-05).
+CHUNK_TOL = 5e-6
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +154,7 @@ def test_chunked_prefill_matches_transformers_and_one_piece(hf_long):
   want = hf_logits(ref, toks)
   got = chunked.score(toks)  # 30 > 5: through the cache, six chunks
   assert rel_err(got, want) <= 1e-4
-  assert rel_err(got, whole.score(toks)) <= TOL
+  assert rel_err(got, whole.score(toks)) <= CHUNK_TOL
   prompt = toks[0, :23].tolist()
   a, b = chunked.generate(prompt, 7, stop_ids=[]), whole.generate(prompt, 7, stop_ids=[])
   assert a.tokens == b.tokens and a.stats["prefill_chunks"] == 5 == 5 * b.stats["prefill_chunks"]
