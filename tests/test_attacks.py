@@ -25,10 +25,8 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
-import uvicorn
 
 import glmjax
 from glmjax.errors import InputError
@@ -36,7 +34,7 @@ from glmjax.serving import transport
 from glmjax.serving.app import create_app
 from glmjax.serving.guard import Guard
 from glmjax.serving.scheduler import QueueFull
-from tests.test_serve import _until
+from tests.test_serve import _free_port, _until, serving
 
 READ_TIMEOUT_S = 5.0  # uvicorn's keep-alive (transport.KEEP_ALIVE_S): pooled clients are safe
 WAIT_S = 120  # a generous bound on anything the server should do "soon"
@@ -57,24 +55,6 @@ class Records(logging.Handler):
     self.messages.append(record.getMessage())
 
 
-@contextlib.contextmanager
-def serving(app, read_timeout_s: float):
-  """`app` behind serve.py's transport (transport.server_config) on a free loopback port."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  config = transport.server_config(app, "127.0.0.1", port, read_timeout_s, log_level="info")
-  server = uvicorn.Server(config)
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  try:
-    _until(lambda: server.started, "the server to start")
-    yield port
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=256)
@@ -83,7 +63,10 @@ def server():
   records = Records()
   loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "uvicorn.access")]
   try:
-    with serving(app, READ_TIMEOUT_S) as port:
+    # serve.py's transport (transport.server_config) on a free loopback port
+    config = transport.server_config(app, "127.0.0.1", _free_port(), READ_TIMEOUT_S,
+                                     log_level="info")
+    with serving(app, config) as port:
       for lg in loggers:
         lg.addHandler(records)
       yield dict(model=model, app=app, port=port, tok=model.tokenizer,

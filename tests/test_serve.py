@@ -48,11 +48,12 @@ def _until(cond, what: str, timeout: float = 60.0):
 
 
 @contextlib.contextmanager
-def serving(app):
-  """`app` served by uvicorn on a free loopback port, in a thread: yields the port; stops the
-  server and the app's scheduler on the way out."""
-  port = _free_port()
-  srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+def serving(app, config: uvicorn.Config | None = None):
+  """`app` served by uvicorn in a thread (`config`; default: a free loopback port): yields the
+  port; stops the server and the app's scheduler on the way out."""
+  config = config or uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
+  port = config.port
+  srv = uvicorn.Server(config)
   thread = threading.Thread(target=srv.run, daemon=True)
   thread.start()
   try:
