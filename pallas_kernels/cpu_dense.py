@@ -21,14 +21,18 @@ buffer and apply it to tiles of 4 tokens (reduction in blocks of 1024 features, 
 tile stays in L1), as ``cpu_rows``' grouped path does. Matrices under
 ``cpu_rows.PARALLEL_MIN_WEIGHTS`` weights run on the calling thread.
 
-``heads_core`` applies a quantized MLA kv_b ``[H (N + V), C]`` per head (attention's absorbed
-form) without dequantizing it whole: the value rows of head h times that head's latent context
-(``cpu_rows.qmatmul_serial`` at the head's rows), and the query's N entries times the head's key
-rows (rows decoded one by one and accumulated in row order); parallel over heads.
+``quant_heads_core`` / ``bf16_heads_core`` apply an MLA kv_b ``[H (N + V), C]`` per head
+(attention's absorbed form) without dequantizing it whole: the value rows of head h times that
+head's latent context (the format's matmul rows: ``cpu_rows.qmatmul_serial``, or the bf16
+loops, at the head's rows), and the query's N entries times the head's key rows (rows decoded
+one by one and accumulated in row order); parallel over heads.
 
-One compiled specialization per kernel: ``dense_core`` takes read-only C-contiguous inputs
-(x float32 [T, I], flat uint8 codes or uint16 bf16 bits, flat uint16 scales) from the Python
-entry points and from the custom call's handler (``cpu_dense_ffi``) alike.
+One entry per weight family, so that a model compiles only the formats it holds: ``bf16_core``
+and ``bf16_heads_core`` reach only the bf16 code, ``quant_core`` and ``quant_heads_core`` only
+the int4/int8 code (``bits`` a run-time 4 or 8). One compiled specialization per kernel: each
+takes read-only C-contiguous inputs (x float32 [T, I], flat uint8 codes and uint16 scales, or
+flat uint16 bf16 bits) from the Python entry points and from the custom calls' handlers
+(``cpu_dense_ffi``: one target per family) alike.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ from pallas_kernels import cpu_rows
 from pallas_kernels.cpu_vec import (JIT, LANES, VT, bf16, c_array, elem_ptr, f32x16, vadd, vfma,
                                     vhsum, vld, vst, vzero)
 
-__all__ = ["qmatmul", "bf16_matmul", "heads_matmul", "dense_core", "heads_core", "BF16",
-           "KEYS", "VALUES"]
+__all__ = ["qmatmul", "bf16_matmul", "heads_matmul", "quant_core", "bf16_core",
+           "quant_heads_core", "bf16_heads_core", "BF16", "KEYS", "VALUES"]
 
-BF16 = 16  # the `bits` code of a bfloat16 weight in dense_core and the custom call
-KEYS, VALUES = 0, 1  # heads_core's two uses of an MLA kv_b
+BF16 = 16  # the `bits` code of a bfloat16 weight (heads_matmul, the custom calls)
+KEYS, VALUES = 0, 1  # the heads cores' two uses of an MLA kv_b
 _DECODE_ROWS = 128  # output rows per prange task at T = 1
 _ROW_BLOCK = 16  # bf16 weight rows decoded per buffer fill (T > 1)
 _K_BLOCK = 1024  # reduction features per pass (T > 1); a multiple of 2 * LANES
@@ -201,29 +205,46 @@ def _bf16_matmul(xb, n, kq, w, i_dim, o, nthreads, yb):
 
 
 @njit(**JIT)
-def dense_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, w16, sc, out):
-  """out[t, o] = x[t, i_dim] @ Wᵀ. bits 4/8: W = (pk codes, sc scales), group g; bits BF16:
-  W = w16 (bf16 bits [o, i_dim]). Parallel (nthreads) when W has >= min_par weights."""
-  if bits == BF16:
-    kp = i_dim
-  else:
-    kp = (i_dim + g - 1) // g * g
-  kq = (kp + 2 * LANES - 1) // (2 * LANES) * (2 * LANES)
-  th = nthreads if o * kq >= min_par else 1
+def _kq(kp):
+  """The padded width `kp` rounded up to a whole number of accumulator pairs (32 features)."""
+  return (kp + 2 * LANES - 1) // (2 * LANES) * (2 * LANES)
+
+
+@njit(**JIT)
+def _padded_rows(x, t, i_dim, kq):
+  """x [t, i_dim] as t flat rows of kq features, zero beyond i_dim."""
   xb = np.zeros(t * kq, np.float32)
   for r in range(t):
     for j in range(i_dim):
       xb[r * kq + j] = x[r, j]
-  yb = out.reshape(t * o)
+  return xb
+
+
+@njit(**JIT)
+def bf16_core(t, o, i_dim, nthreads, min_par, x, w16, out):
+  """out[t, o] = x[t, i_dim] @ Wᵀ for W = w16 (bf16 bits [o, i_dim]). Parallel (nthreads)
+  when W has >= min_par weights."""
+  kq = _kq(i_dim)
+  th = nthreads if o * kq >= min_par else 1
+  xb = _padded_rows(x, t, i_dim, kq)
   if t == 0 or o == 0:
     return
-  if bits == BF16:
-    _bf16_matmul(xb, t, kq, w16, i_dim, o, th, yb)
-  else:
-    ng = kp // g
-    kb = kp // 2 if bits == 4 else kp
-    vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
-    cpu_rows.qmatmul(xb, t, kq, pk, sc, 0, o, kb, ng, g, bits, vec_ok, th, yb)
+  _bf16_matmul(xb, t, kq, w16, i_dim, o, th, out.reshape(t * o))
+
+
+@njit(**JIT)
+def quant_core(t, o, i_dim, bits, g, nthreads, min_par, x, pk, sc, out):
+  """out[t, o] = x[t, i_dim] @ Wᵀ for W = (pk codes, sc scales), bits 4 or 8, group g
+  (``cpu_rows.qmatmul``). Parallel (nthreads) when W has >= min_par weights."""
+  kp = (i_dim + g - 1) // g * g
+  kq = _kq(kp)
+  th = nthreads if o * kq >= min_par else 1
+  xb = _padded_rows(x, t, i_dim, kq)
+  if t == 0 or o == 0:
+    return
+  kb = kp // 2 if bits == 4 else kp
+  vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
+  cpu_rows.qmatmul(xb, t, kq, pk, sc, 0, o, kb, kp // g, g, bits, vec_ok, th, out.reshape(t * o))
 
 
 @njit(**JIT)
@@ -238,66 +259,107 @@ def _bf16_head_values(xb, t, kq, w16, row0, v_dim, c_dim, yb):
 
 
 @njit(**JIT)
-def _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out):
-  """heads_core for head hh (see there)."""
+def _head_x(x, hh, t, c_dim, kq):
+  """Head hh's latent context x[:, hh*C : (hh+1)*C] as t flat rows of kq features."""
+  xb = np.zeros(t * kq, np.float32)
+  for r in range(t):
+    for j in range(c_dim):
+      xb[r * kq + j] = x[r, hh * c_dim + j]
+  return xb
+
+
+@njit(**JIT)
+def _put_values(yb, hh, t, v_dim, out):
+  for r in range(t):
+    for v in range(v_dim):
+      out[r, hh * v_dim + v] = yb[r * v_dim + v]
+
+
+@njit(**JIT)
+def _add_key_row(acc, x, col, wbuf):
+  """acc[r, :] += x[r, col] * (a decoded key row, wbuf): one of a head's N rows, in n order."""
+  for r in range(acc.shape[0]):
+    q = x[r, col]
+    for j in range(acc.shape[1]):
+      acc[r, j] += q * wbuf[j]
+
+
+@njit(**JIT)
+def _put_keys(acc, hh, out):
+  c_dim = acc.shape[1]
+  for r in range(acc.shape[0]):
+    for j in range(c_dim):
+      out[r, hh * c_dim + j] = acc[r, j]
+
+
+@njit(**JIT)
+def _head_bf16(hh, t, n_dim, v_dim, c_dim, kq, part, x, w16, out):
+  """bf16_heads_core for head hh (see there)."""
   r0 = hh * (n_dim + v_dim)
   if part == VALUES:  # out[t, hh, v] = W[r0 + N + v] . x[t, hh, :]: the rows' own kernel
-    xb = np.zeros(t * kq, np.float32)
-    for r in range(t):
-      for j in range(c_dim):
-        xb[r * kq + j] = x[r, hh * c_dim + j]
     yb = np.empty(t * v_dim, np.float32)
-    if bits == BF16:
-      _bf16_head_values(xb, t, kq, w16, r0 + n_dim, v_dim, c_dim, yb)
-    else:
-      cpu_rows.qmatmul_serial(xb, t, kq, pk, sc, r0 + n_dim, v_dim, kb, ng, g, bits, vec_ok, yb)
-    for r in range(t):
-      for v in range(v_dim):
-        out[r, hh * v_dim + v] = yb[r * v_dim + v]
+    _bf16_head_values(_head_x(x, hh, t, c_dim, kq), t, kq, w16, r0 + n_dim, v_dim, c_dim, yb)
+    _put_values(yb, hh, t, v_dim, out)
   else:  # out[t, hh, :] = sum_n x[t, hh, n] * W[r0 + n, :]: decoded rows, added in n order
     acc = np.zeros((t, c_dim), np.float32)
     wbuf = np.empty(kq, np.float32)
     for nn in range(n_dim):
+      _bf16_decode_rows(w16, c_dim, r0 + nn, 1, kq, wbuf)
+      _add_key_row(acc, x, hh * n_dim + nn, wbuf)
+    _put_keys(acc, hh, out)
+
+
+@njit(**JIT)
+def _head_quant(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out):
+  """quant_heads_core for head hh (see there)."""
+  r0 = hh * (n_dim + v_dim)
+  if part == VALUES:
+    yb = np.empty(t * v_dim, np.float32)
+    cpu_rows.qmatmul_serial(_head_x(x, hh, t, c_dim, kq), t, kq, pk, sc, r0 + n_dim, v_dim, kb,
+                            ng, g, bits, vec_ok, yb)
+    _put_values(yb, hh, t, v_dim, out)
+  else:
+    acc = np.zeros((t, c_dim), np.float32)
+    wbuf = np.empty(kq, np.float32)
+    for nn in range(n_dim):
       row = r0 + nn
-      if bits == BF16:
-        _bf16_decode_rows(w16, c_dim, row, 1, kq, wbuf)
-      else:
-        cpu_rows.decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
-      for r in range(t):
-        q = x[r, hh * n_dim + nn]
-        for j in range(c_dim):
-          acc[r, j] += q * wbuf[j]
-    for r in range(t):
-      for j in range(c_dim):
-        out[r, hh * c_dim + j] = acc[r, j]
+      cpu_rows.decode_row(pk, row * kb, sc, row * ng, ng, g, bits, vec_ok, kq, wbuf, 0)
+      _add_key_row(acc, x, hh * n_dim + nn, wbuf)
+    _put_keys(acc, hh, out)
 
 
 @njit(parallel=True, **JIT)
-def heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, w16, sc, out):
-  """An MLA kv_b ``W [heads * (N + V), C]`` (group-wise quantized in ``pk``/``sc``, or bf16
-  bits in ``w16`` when ``bits`` is ``BF16``) applied per head without dequantizing it whole:
-  ``part`` KEYS: ``out[t, h*C + c] = sum_n x[t, h*N + n] W[h(N+V) + n, c]`` (the query
-  absorbed into latent space); VALUES: ``out[t, h*V + v] = W[h(N+V) + N + v] .
-  x[t, h*C : (h+1)*C]`` (the latent context out to values). Parallel over heads."""
-  if bits == BF16:  # no groups: rows of C, read as they are
-    kp, ng, kb, vec_ok = c_dim, 0, 0, False
-  else:
-    kp = (c_dim + g - 1) // g * g
-    ng = kp // g
-    kb = kp // 2 if bits == 4 else kp
-    vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
-  kq = (kp + 2 * LANES - 1) // (2 * LANES) * (2 * LANES)
+def bf16_heads_core(t, heads, n_dim, v_dim, c_dim, part, nthreads, x, w16, out):
+  """An MLA kv_b ``W [heads * (N + V), C]`` (bf16 bits in ``w16``, rows of C read as they are)
+  applied per head without upcasting it whole: ``part`` KEYS: ``out[t, h*C + c] = sum_n
+  x[t, h*N + n] W[h(N+V) + n, c]`` (the query absorbed into latent space); VALUES:
+  ``out[t, h*V + v] = W[h(N+V) + N + v] . x[t, h*C : (h+1)*C]`` (the latent context out to
+  values). Parallel over heads."""
+  kq = _kq(c_dim)
   if nthreads <= 1:
     for hh in range(heads):
-      _head(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16, sc, out)
+      _head_bf16(hh, t, n_dim, v_dim, c_dim, kq, part, x, w16, out)
   else:
     for hh in prange(heads):
-      _head(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, w16,
-            sc, out)
+      _head_bf16(np.int64(hh), t, n_dim, v_dim, c_dim, kq, part, x, w16, out)
 
 
-_NO_U8 = cpu_rows.readonly(np.zeros(1, np.uint8))
-_NO_U16 = cpu_rows.readonly(np.zeros(1, np.uint16))
+@njit(parallel=True, **JIT)
+def quant_heads_core(t, heads, n_dim, v_dim, c_dim, bits, g, part, nthreads, x, pk, sc, out):
+  """``bf16_heads_core`` for a group-wise quantized kv_b (codes ``pk``, scales ``sc``, bits 4 or
+  8, group g): without dequantizing it whole."""
+  kp = (c_dim + g - 1) // g * g
+  ng = kp // g
+  kb = kp // 2 if bits == 4 else kp
+  vec_ok = (g // 2 if bits == 4 else g) % LANES == 0
+  kq = _kq(kp)
+  if nthreads <= 1:
+    for hh in range(heads):
+      _head_quant(hh, t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x, pk, sc, out)
+  else:
+    for hh in prange(heads):
+      _head_quant(np.int64(hh), t, n_dim, v_dim, c_dim, kq, kb, ng, g, bits, vec_ok, part, x,
+                  pk, sc, out)
 
 
 def _as_x(x, i_dim):
@@ -307,11 +369,8 @@ def _as_x(x, i_dim):
   return x
 
 
-def _run(x, o, i_dim, bits, g, pk, w16, sc):
-  out = np.empty((x.shape[0], o), np.float32)
-  dense_core(x.shape[0], o, i_dim, bits, g, numba.get_num_threads(),
-             int(cpu_rows.PARALLEL_MIN_WEIGHTS), cpu_rows.readonly(x), pk, w16, sc, out)
-  return out
+def _threads_args():
+  return numba.get_num_threads(), int(cpu_rows.PARALLEL_MIN_WEIGHTS)
 
 
 def qmatmul(x, packed, scales, bits, group_size, in_features):
@@ -327,9 +386,12 @@ def qmatmul(x, packed, scales, bits, group_size, in_features):
     float32 [T, O]; each row bitwise independent of T and of the other rows.
   """
   _check_quantized(packed, scales, bits, group_size, in_features)
-  return _run(_as_x(x, in_features), np.shape(packed)[0], in_features, bits, group_size,
-              cpu_rows.flat_packed(packed, "packed"), _NO_U16,
-              cpu_rows.flat_scales(scales, "scales"))
+  x = _as_x(x, in_features)
+  out = np.empty((x.shape[0], np.shape(packed)[0]), np.float32)
+  quant_core(x.shape[0], out.shape[1], in_features, bits, group_size, *_threads_args(),
+             cpu_rows.readonly(x), cpu_rows.flat_packed(packed, "packed"),
+             cpu_rows.flat_scales(scales, "scales"), out)
+  return out
 
 
 def _check_quantized(packed, scales, bits, group_size, in_features):
@@ -349,7 +411,8 @@ def _check_quantized(packed, scales, bits, group_size, in_features):
 
 
 def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim, part):
-  """``heads_core`` (per-head use of an MLA kv_b ``[heads * (N + V), C]``, C = in_features):
+  """``quant_heads_core`` or ``bf16_heads_core`` (per-head use of an MLA kv_b
+  ``[heads * (N + V), C]``, C = in_features):
   quantized (``packed``, ``scales``, ``bits`` 4 or 8), or bfloat16 (``bits`` ``BF16``:
   ``packed`` is the bf16 matrix or its uint16 bits, ``scales`` and ``group_size`` unused).
 
@@ -362,19 +425,21 @@ def heads_matmul(x, packed, scales, bits, group_size, in_features, heads, n_dim,
     w = np.asarray(packed)
     if w.ndim != 2 or w.shape[1] != c_dim or w.dtype.name not in ("bfloat16", "uint16"):
       raise ValueError(f"w: expected bfloat16 [O, {c_dim}], got {w.dtype} {w.shape}")
-    pk, w16, sc, group_size = _NO_U8, cpu_rows.flat_scales(w, "w"), _NO_U16, 0
   else:
     _check_quantized(packed, scales, bits, group_size, c_dim)
-    pk, w16, sc = (cpu_rows.flat_packed(packed, "packed"), _NO_U16,
-                   cpu_rows.flat_scales(scales, "scales"))
   if o % heads or o // heads <= n_dim:
     raise ValueError(f"kv_b rows {o} are not heads ({heads}) x (N={n_dim} + V)")
   v_dim = o // heads - n_dim
   x = _as_x(x, heads * (n_dim if part == KEYS else c_dim))
   out = np.empty((x.shape[0], heads * (c_dim if part == KEYS else v_dim)), np.float32)
   nthreads = numba.get_num_threads() if o * c_dim >= cpu_rows.PARALLEL_MIN_WEIGHTS else 1
-  heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
-             cpu_rows.readonly(x), pk, w16, sc, out)
+  if bits == BF16:
+    bf16_heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, part, nthreads, cpu_rows.readonly(x),
+                    cpu_rows.flat_scales(w, "w"), out)
+  else:
+    quant_heads_core(x.shape[0], heads, n_dim, v_dim, c_dim, bits, group_size, part, nthreads,
+                     cpu_rows.readonly(x), cpu_rows.flat_packed(packed, "packed"),
+                     cpu_rows.flat_scales(scales, "scales"), out)
   return out
 
 
@@ -386,5 +451,8 @@ def bf16_matmul(x, w):
   w = np.asarray(w)
   if w.ndim != 2 or w.dtype.name not in ("bfloat16", "uint16"):
     raise ValueError(f"w: expected bfloat16 [O, I], got {w.dtype} {w.shape}")
-  return _run(_as_x(x, w.shape[1]), w.shape[0], w.shape[1], BF16, 0, _NO_U8,
-              cpu_rows.flat_scales(w, "w"), _NO_U16)
+  x = _as_x(x, w.shape[1])
+  out = np.empty((x.shape[0], w.shape[0]), np.float32)
+  bf16_core(x.shape[0], w.shape[0], w.shape[1], *_threads_args(), cpu_rows.readonly(x),
+            cpu_rows.flat_scales(w, "w"), out)
+  return out

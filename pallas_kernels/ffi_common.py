@@ -1,6 +1,7 @@
-"""What the two numba custom calls (``cpu_ffi``: expert terms, ``cpu_dense_ffi``: dense
-matmuls and kv_b heads) share: reading XLA's typed-FFI call frame from a numba ``cfunc``, and
-the checked first use (``CheckedCall``) with its ``jax.pure_callback`` fallback.
+"""What the numba custom calls (``cpu_ffi``: expert terms; ``cpu_dense_ffi``: dense matmuls
+and kv_b heads, one target per weight family) share: reading XLA's typed-FFI call frame from a
+numba ``cfunc``, and the checked first use (``CheckedCall``) with its ``jax.pure_callback``
+fallback.
 
 Zero-copy operands. XLA hands a custom call its buffers' addresses through the typed FFI
 (``jax.ffi``); a numba ``cfunc`` handler reads them from the call frame (a C struct, see

@@ -76,8 +76,9 @@ from pallas_kernels import cpu_ffi
 cpu_ffi.self_test()
 """
 
-# The dense kernels and their custom call (int4, int8, bf16; matmul and kv_b heads), and the
-# quantizer for the weight dtypes the converters read (float64 compiles above).
+# The dense kernels and their two custom calls (`self_test()` builds both targets: bf16, and
+# int4/int8; matmul and kv_b heads), and the quantizer for the weight dtypes the converters read
+# (float64 compiles above).
 _WARM_DENSE_KERNELS = """
 import ml_dtypes
 import numpy as np

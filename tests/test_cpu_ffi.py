@@ -92,11 +92,18 @@ def test_an_unknown_api_version_or_an_error_falls_back(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
 def test_the_dense_call_falls_back_the_same_way(monkeypatch, fmt):
-  """cpu_dense_ffi shares the check and the fallback: a shifted frame is a mismatch, and every
-  call (matmul and kv_b heads) then takes jax.pure_callback with the direct kernels' bits."""
+  """cpu_dense_ffi's targets (bf16; int4/int8) share the check and the fallback: a shifted
+  frame is a mismatch, and every call (matmul and kv_b heads) of that target then takes
+  jax.pure_callback with the direct kernels' bits, the other target's choice untouched."""
   wrong = ffi_common.FRAME_LAYOUT._replace(args=ffi_common.FRAME_LAYOUT.args + 1)
-  assert "differ from pallas_kernels.cpu_dense" in cpu_dense_ffi.self_test(wrong)
-  _fresh_process(monkeypatch, cpu_dense_ffi.CALL, wrong)
+  call = cpu_dense_ffi.call_for(cpu_dense.BF16 if fmt == "bf16" else int(fmt[3:]))
+  other = cpu_dense_ffi.QUANT_CALL if call is cpu_dense_ffi.BF16_CALL else cpu_dense_ffi.BF16_CALL
+  assert call is not other
+  reasons = dict(r.split(": ", 1) for r in cpu_dense_ffi.self_test(wrong).split("; "))
+  assert set(reasons) == {call.name, other.name}  # both targets see the mismatch
+  assert all("differ from pallas_kernels.cpu_dense" in r for r in reasons.values()), reasons
+  _fresh_process(monkeypatch, call, wrong)
+  other_choice = other.backend()
   rng = np.random.default_rng(7)
   x = rng.standard_normal((3, 90)).astype(np.float32)
   w = (rng.standard_normal((36, 90)) / 10).astype(np.float32)
@@ -110,7 +117,7 @@ def test_the_dense_call_falls_back_the_same_way(monkeypatch, fmt):
   fmt_kw["in_features"] = 90
   with pytest.warns(RuntimeWarning, match="failed its self-test .*differ.*copies the weight"):
     got = jax.jit(lambda a: cpu_dense_ffi.matmul_xla(a, mat, scales, **fmt_kw))(x)
-  assert cpu_dense_ffi.backend() == "callback"
+  assert call.backend() == "callback" and other.backend() == other_choice == "ffi"
   np.testing.assert_array_equal(np.asarray(got), want)
   xv = rng.standard_normal((3, 3 * 90)).astype(np.float32)  # 3 heads x (N = 5 + V = 7) rows
   heads = dict(fmt_kw, heads=3, n_dim=5, part=cpu_dense.VALUES)

@@ -109,9 +109,33 @@ def test_rows_are_independent_of_the_token_count(by_width, i_features, fmt, para
   np.testing.assert_array_equal(direct(fmt, x[4:7], w), full[4:7])
 
 
-def test_custom_call_passes_its_self_test():
-  assert cpu_dense_ffi.self_test() is None
-  assert cpu_dense_ffi.backend() == "ffi"
+@pytest.mark.parametrize("family", ["bf16", "quant"])
+def test_custom_call_passes_its_self_test(family):
+  """Each weight family's target (bf16; int4/int8) checks only its own formats and passes."""
+  call = {"bf16": cpu_dense_ffi.BF16_CALL, "quant": cpu_dense_ffi.QUANT_CALL}[family]
+  assert call.self_test() is None
+  assert call.backend() == "ffi"
+  labels = {c.label.split(",")[0] for c in call._cases()}  # pylint: disable=protected-access
+  assert labels == ({f"bits={cpu_dense.BF16}"} if family == "bf16" else {"bits=4", "bits=8"})
+  assert cpu_dense_ffi.self_test() is None  # both targets (the suite's warm-up builds both)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_a_target_refuses_the_other_family(weights, fmt):
+  """A target given a weight of the other family computes nothing (NaN), never reads its
+  bytes as its own format; `matmul_xla` itself always picks the weight's own target."""
+  w = weights[fmt]
+  x = np.ones((2, I_FEATURES), np.float32)
+  if fmt == "bf16":
+    call, args, fmt_kw = cpu_dense_ffi.QUANT_CALL, (x, w, None), dict(bits=cpu_dense.BF16,
+                                                                     group_size=0)
+  else:
+    call, args, fmt_kw = cpu_dense_ffi.BF16_CALL, (x, w.packed, w.scales), dict(
+        bits=w.bits, group_size=w.group_size)
+  assert call.backend() == "ffi" and cpu_dense_ffi.call_for(fmt_kw["bits"]) is not call
+  got = jax.jit(lambda *a: cpu_dense_ffi._ffi_matmul(  # pylint: disable=protected-access
+      call.target, *a, in_features=I_FEATURES, **fmt_kw))(*args)
+  assert np.isnan(np.asarray(got)).all()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
