@@ -1,6 +1,7 @@
 """Suite-wide setup: a private model cache so the suite never touches ~/.cache, and one XLA
 compilation cache per run shared by its workers and the scripts it starts."""
 
+import functools
 import os
 import shutil
 import tempfile
@@ -218,7 +219,8 @@ def embedded_store(tmp_path_factory):
 def pytest_runtest_protocol(item, nextitem):
   """With GLMJAX_TEST_CPU_LOG=<dir>, appends each test's CPU seconds (this worker's and the
   processes it waited for: user + system) to <dir>/<worker>.tsv: the suite's budget is CPU, and
-  a test's wall time on two busy cores says little about it."""
+  a test's wall time on two busy cores says little about it. Then this worker's seconds in JAX
+  tracing, lowering and XLA, and its XLA compilations (`_compile_seconds`), during the test."""
   log = os.environ.get("GLMJAX_TEST_CPU_LOG")
   if not log:
     yield
@@ -228,8 +230,32 @@ def pytest_runtest_protocol(item, nextitem):
   def cpu():
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
-  start = cpu()
+  seen = _compile_seconds()
+  start, before = cpu(), dict(seen)
   yield
   worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  spent = [seen[k] - before[k] for k in seen]
   with open(os.path.join(log, worker + ".tsv"), "a", encoding="utf-8") as f:
-    f.write(f"{item.nodeid}\t{cpu() - start:.2f}\n")
+    f.write(f"{item.nodeid}\t{cpu() - start:.2f}\t" + "\t".join(f"{x:.2f}" for x in spent) +
+            "\n")
+
+
+_COMPILE_EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
+                   "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "compile": "/jax/core/compile/backend_compile_duration"}
+
+
+@functools.cache
+def _compile_seconds() -> dict:
+  """This worker's JAX seconds so far tracing, lowering and compiling (XLA; a persistent-cache
+  hit counts its load), and its count of XLA compilations and loads, kept by a listener."""
+  import jax
+  seen = dict.fromkeys([*_COMPILE_EVENTS, "compiles"], 0.0)
+  names = {v: k for k, v in _COMPILE_EVENTS.items()}
+
+  def listen(event, seconds, **_):
+    if event in names:
+      seen[names[event]] += seconds
+      seen["compiles"] += event == _COMPILE_EVENTS["compile"]
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  return seen

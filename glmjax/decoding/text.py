@@ -453,13 +453,15 @@ class _Masks:
   """Stands in for added-token spellings in the caller's strings while a template renders, so
   that afterwards only the template's own structure is read as control tokens. A mark is
   `[[nonce:i]]`, the nonce fresh per chat: text cannot forge one, and no template filter that
-  trims or escapes JSON changes it."""
+  trims or escapes JSON changes it. One pattern finds every nonce's marks (a pattern per nonce
+  would churn `re`'s cache, and evict the specials' pattern, at every chat)."""
+
+  MARK = re.compile(r"\[\[([0-9a-f]{32}):(\d+)\]\]")
 
   def __init__(self, tokenizer: Tokenizer):
     specials = sorted(set(tokenizer.added_tokens), key=len, reverse=True)
     self.pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
     self.nonce = uuid.uuid4().hex
-    self.mark = re.compile(r"\[\[" + self.nonce + r":(\d+)\]\]")
     self.originals: list[str] = []
 
   def hide(self, x):
@@ -478,6 +480,9 @@ class _Masks:
     self.originals.append(m.group())
     return f"[[{self.nonce}:{len(self.originals) - 1}]]"
 
+  def _restore(self, m: re.Match) -> str:  # another nonce's mark is text, left as it is
+    return self.originals[int(m.group(2))] if m.group(1) == self.nonce else m.group()
+
   def encode(self, rendered: str, tokenizer: Tokenizer) -> list[int]:
     """Ids of `rendered`: the added tokens it spells itself become their ids; the text between
     them, the marked spellings restored, is encoded as plain text."""
@@ -489,7 +494,7 @@ class _Masks:
     return ids + self._plain(rendered[pos:], tokenizer)
 
   def _plain(self, text: str, tokenizer: Tokenizer) -> list[int]:
-    text = self.mark.sub(lambda m: self.originals[int(m.group(1))], text)
+    text = self.MARK.sub(self._restore, text)
     return tokenizer.encode_plain(text) if text else []
 
 
