@@ -19,6 +19,10 @@ from hf_reference import make_hf, rel_err
 
 TOL = 1e-4
 B, S = 2, 11
+# The blocks under test, jitted: run eagerly they compile every primitive at every shape
+_attention = jax.jit(attention.attention, static_argnames=("start", "cfg", "absorbed"))
+_moe_block = jax.jit(moe_block, static_argnames=("cfg",))
+_expert_outputs = jax.jit(moe.expert_outputs)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +84,10 @@ def test_mla_attention(pair, absorbed, layer):
                                                     prev_topk_indices=topk)
   sel = None
   if layer == 1:
-    _, _, sel = attention.attention(model.weights.layers[0].attn, jnp.asarray(x), 0, cfg)
+    _, _, sel = _attention(model.weights.layers[0].attn, jnp.asarray(x), 0, cfg)
     assert sel is not None  # index_topk < S, so layer 0 selects
-  got, _, _ = attention.attention(model.weights.layers[layer].attn, jnp.asarray(x), 0, cfg,
-                                  selection=sel, absorbed=absorbed)
+  got, _, _ = _attention(model.weights.layers[layer].attn, jnp.asarray(x), 0, cfg,
+                         selection=sel, absorbed=absorbed)
   assert rel_err(got, want.numpy()) <= TOL
 
 
@@ -172,7 +176,7 @@ def test_moe_block(pair, tokens):
   x = _x(6, 1, tokens, model.config.hidden_size)
   with torch.no_grad():
     want = ref.model.layers[2].mlp(_t(x)).numpy()
-  got = moe_block(model.weights.layers[2].mlp, jnp.asarray(x), model.config)
+  got = _moe_block(model.weights.layers[2].mlp, jnp.asarray(x), model.config)
   assert rel_err(got, want) <= TOL
 
 
@@ -207,9 +211,8 @@ def test_float_expert_outputs_against_a_float64_loop(tokens, skew):
                     for _ in range(tokens)])
   else:
     ids = np.stack([[0, 1, 2 + t % 2] for t in range(tokens)])  # 8 experts never chosen
-  got = np.asarray(moe.expert_outputs(jnp.asarray(x), jnp.asarray(ids, jnp.int32),
-                                      weights.Experts(gate_up=jnp.asarray(gu),
-                                                      down=jnp.asarray(dn))))
+  got = np.asarray(_expert_outputs(jnp.asarray(x), jnp.asarray(ids, jnp.int32),
+                                   weights.Experts(gate_up=jnp.asarray(gu), down=jnp.asarray(dn))))
   want = np.zeros((tokens, k, d))
   for t in range(tokens):
     for r in range(k):

@@ -98,13 +98,19 @@ def test_shipped_size():
     assert json.load(f)["model_type"] == "glm_moe_dsa"
 
 
+def _teacher_forced(w, toks, cfg):
+  from glmjax.model.mtp import mtp_logits
+  logits, h, _ = forward(w, toks[:, :-1], cfg)  # h[:, i] sees t_0..t_i
+  return logits, h, mtp_logits(w, h, toks[:, 1:], cfg)[0]  # [1, 40, V], predicting t_{i+2}
+
+
 def test_mtp_cached_steps_match_teacher_forced(model, tok):
   from glmjax.model.forward import mtp_fn
-  from glmjax.model.mtp import init_mtp_cache, mtp_logits
+  from glmjax.model.mtp import init_mtp_cache
   cfg, w = model.config, model.weights
   toks = jnp.asarray([tok.encode(corpus.read("colorsys.py"))[:41]], jnp.int32)
-  logits, h, _ = forward(w, toks[:, :-1], cfg)  # h[:, i] sees t_0..t_i
-  want, _ = mtp_logits(w, h, toks[:, 1:], cfg)  # [1, 40, V], predicting t_{i+2}
+  # The teacher-forced references in one jit: eagerly, every primitive compiles on its own
+  logits, h, want = jax.jit(_teacher_forced, static_argnums=2)(w, toks, cfg)
   cache = init_mtp_cache(cfg, 1, 64)
   first, _, cache = mtp_fn(w, h[:, :32], toks[:, 1:33], cache, jnp.int32(0), cfg=cfg)
   outs = [first]

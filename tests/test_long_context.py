@@ -31,6 +31,8 @@ TOL = 1e-6
 # so more summations change order than sparse against dense; 12 token seeds gave 0.78-1.98e-6
 # of max |logit| (2026-12-05).
 CHUNK_TOL = 5e-6
+# One attention block without a cache, jitted: run eagerly it compiles every primitive per shape
+_attention = jax.jit(attention.attention, static_argnames=("start", "cfg", "runtime"))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_sparse_equals_dense_without_a_cache(w, s):
   assert rel_err(run("sparse"), run("dense")) <= TOL
   # The selections themselves, layer 0 (full) on the embedded tokens: identical, ordered.
   x = w.embed[toks].astype(jnp.float32)
-  sel = [attention.attention(w.layers[0].attn, x, 0, CFG, runtime=RT[i])[2]
+  sel = [_attention(w.layers[0].attn, x, 0, CFG, runtime=RT[i])[2]
          for i in ("sparse", "dense")]
   if s <= K:
     assert sel == [None, None]  # a query sees no more than K keys: dense, nothing selected
@@ -132,7 +134,7 @@ def test_tied_indexer_keeps_the_earliest_keys(w):
   run = lambda impl: np.asarray(score_fn(w0, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
   assert rel_err(run("sparse"), run("dense")) <= TOL
   x = w0.embed[toks].astype(jnp.float32)
-  _, _, sel = attention.attention(w0.layers[0].attn, x, 0, CFG)
+  _, _, sel = _attention(w0.layers[0].attn, x, 0, CFG)
   np.testing.assert_array_equal(np.asarray(sel)[0, -1], np.arange(K))
 
 

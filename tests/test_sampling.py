@@ -188,7 +188,7 @@ def test_top_p_tiny_keeps_argmax_and_ties():
 def test_top_p_one_keeps_everything_finite():
   x = (RNG.standard_normal(4096) * 20).astype(np.float32)  # tail probs underflow float32
   np.testing.assert_array_equal(_filter(x, top_p=1.0), np.ones(4096, bool))
-  out = S.filter_logits(jnp.asarray(x), top_p=jnp.float32(1.0))  # traced p = 1
+  out = jax.jit(S.filter_logits)(jnp.asarray(x), top_p=jnp.float32(1.0))  # traced p = 1
   np.testing.assert_array_equal(kept(out), np.ones(4096, bool))
 
 
@@ -225,9 +225,9 @@ def test_nucleus_larger_than_preselection_uses_exact_fallback():
   want = ref_keep(x, top_p=p)
   assert want.sum() > 4 * S.PRESELECT
   np.testing.assert_array_equal(_filter(x, top_p=p), want)
-  # The same kept set via the threshold search alone (which the fallback runs).
-  thr = S._largest_threshold(jnp.asarray(x)[None], jax.nn.softmax(jnp.asarray(x))[None],
-                             jnp.float32(p))
+  # The same kept set via the threshold search alone (which the fallback runs), in one jit
+  thr = jax.jit(lambda x, p: S._largest_threshold(x[None], jax.nn.softmax(x)[None], p))(
+      jnp.asarray(x), jnp.float32(p))
   np.testing.assert_array_equal(x >= np.asarray(thr)[0, 0], want)
 
 
@@ -265,13 +265,15 @@ def test_large_vocab(shape):
 def test_greedy_is_argmax():
   x = jnp.asarray(RNG.standard_normal((6, 777)).astype(np.float32))
   key = jax.random.key(0)
-  np.testing.assert_array_equal(S.sample(key, x, 0.0), np.argmax(np.asarray(x), -1))
-  np.testing.assert_array_equal(S.sample(key, x[2], -1.0), np.argmax(np.asarray(x[2])))
+  # Jitted with the Python temperatures static: the eager calls' paths, one compile each
+  greedy = jax.jit(S.sample, static_argnames=("temperature",))
+  np.testing.assert_array_equal(greedy(key, x, 0.0), np.argmax(np.asarray(x), -1))
+  np.testing.assert_array_equal(greedy(key, x[2], -1.0), np.argmax(np.asarray(x[2])))
   t = jnp.asarray([0.0, 1.0, 0.0, 1.0, 0.0, 0.5])
   ids = np.asarray(jax.jit(S.sample)(key, x, t, 0, 1e-9))  # top_p ~ 0 -> also argmax
   np.testing.assert_array_equal(ids, np.argmax(np.asarray(x), -1))
   assert ids.dtype == np.int32
-  pr = np.asarray(S.probs(x, t, top_p=0.5))
+  pr = np.asarray(jax.jit(S.probs, static_argnames=("top_p",))(x, t, top_p=0.5))
   np.testing.assert_array_equal(pr[0], np.eye(777)[np.argmax(np.asarray(x[0]))])
 
 
@@ -292,7 +294,7 @@ def test_sample_frequencies_match_filtered_distribution(kw):
   want_keep = ref_keep(x, **kw)
   x_t = temper(x, kw["temperature"]).astype(np.float64)
   want = np.where(want_keep, _softmax64(np.where(want_keep, x_t, -np.inf)), 0.0)
-  pr = np.asarray(S.probs(jnp.asarray(x), **kw))
+  pr = np.asarray(jax.jit(S.probs, static_argnames=tuple(kw))(jnp.asarray(x), **kw))
   np.testing.assert_allclose(pr, want, atol=1e-6)
   n = 40_000
   ids = jax.jit(S.sample, static_argnames=tuple(kw))(

@@ -230,7 +230,7 @@ def test_pilot_recall_matches_independent_routing(random_store):
   import jax
   from glmjax.model import attention as att
   from glmjax.model.layers import rms_norm, swiglu
-  from glmjax.model.forward import moe_block as moe_fn
+  from glmjax.model.forward import moe_block
   from glmjax.model.moe import route
   from glmjax.formats.store import ExpertStore
   from glmjax.model.weights import MoE
@@ -258,9 +258,12 @@ def test_pilot_recall_matches_independent_routing(random_store):
     sc = jax.nn.sigmoid(hn @ nxt.mlp.router.T) + nxt.mlp.bias
     return set(np.unique(np.asarray(jax.lax.top_k(sc, 3)[1])).tolist())
 
+  # Jitted: run eagerly, each block compiles every primitive at every shape
+  attend = jax.jit(att.attention, static_argnames=("start", "cfg"))
+  moe_fn = jax.jit(moe_block, static_argnames=("cfg",))
   for i, lw in enumerate(layers):
-    a, _, sel = att.attention(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), 0, cfg,
-                              selection=sel)
+    a, _, sel = attend(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), 0, cfg,
+                       selection=sel)
     x = x + a
     hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     if not isinstance(lw.mlp, MoE):
