@@ -5,6 +5,8 @@ so a failure points at the block. Tolerances as in test_parity (float32, differe
 orders, ~1e-6 observed; 1e-4 relative allowed).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,24 @@ def test_the_attention_form_picked_is_the_one_xla_counts_cheaper(pair, queries, 
   assert attention.absorbing_pays(queries, slots, cfg) == cheaper
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))  # one compile, not one per primitive
+def _selections(w, xj, cfg):
+  """Layer `w`'s indexer selections for `xj`: the dense one and the blocked one."""
+  c, s = layers.rope_angles(jnp.arange(S), cfg.qk_rope_head_dim, cfg.rope_theta)
+  c, s = c[None], s[None]
+  q_lat = layers.rms_norm(layers.linear(xj, w.q_a), w.q_a_norm, layers.LATENT_NORM_EPS)
+  index_k = attention.indexer_keys(w.indexer, xj, cfg, c, s)  # [B, S, I]
+  q, wts = attention.indexer_queries(w.indexer, xj, q_lat, cfg, c, s)
+  visible = jnp.arange(S)[None, None] <= jnp.arange(S)[None, :, None]
+  dense = attention.select_dense(q, wts, index_k, visible, cfg.index_topk)
+  # The blocked selection (the sparse path's) reads the keys as pages of 4 positions, in
+  # blocks of one page: the running top-k merges three blocks for the last queries.
+  pool, pages = kvcache.as_pool(index_k, 4)
+  view = attention.KeyView(None, None, pool, pages)
+  slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  return dense, attention.select_blocked(view, q, wts, slots, cfg.index_topk, 1)
+
+
 def test_indexer_selection(pair):
   ref, model = pair
   cfg = model.config
@@ -127,21 +147,7 @@ def test_indexer_selection(pair):
   with torch.no_grad():
     q_resid = att.q_a_layernorm(att.q_a_proj(_t(x)))
     want = att.indexer(_t(x), q_resid, (cos, sin), _causal_mask()[:, 0], None).numpy()
-  w = model.weights.layers[0].attn
-  c, s = layers.rope_angles(jnp.arange(S), cfg.qk_rope_head_dim, cfg.rope_theta)
-  c, s = c[None], s[None]
-  xj = jnp.asarray(x)
-  q_lat = layers.rms_norm(layers.linear(xj, w.q_a), w.q_a_norm, layers.LATENT_NORM_EPS)
-  index_k = attention.indexer_keys(w.indexer, xj, cfg, c, s)  # [B, S, I]
-  q, wts = attention.indexer_queries(w.indexer, xj, q_lat, cfg, c, s)
-  visible = jnp.arange(S)[None, None] <= jnp.arange(S)[None, :, None]
-  dense = np.asarray(attention.select_dense(q, wts, index_k, visible, cfg.index_topk))
-  # The blocked selection (the sparse path's) reads the keys as pages of 4 positions, in
-  # blocks of one page: the running top-k merges three blocks for the last queries.
-  pool, pages = kvcache.as_pool(index_k, 4)
-  view = attention.KeyView(None, None, pool, pages)
-  slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  blocked = np.asarray(attention.select_blocked(view, q, wts, slots, cfg.index_topk, 1))
+  dense, blocked = map(np.asarray, _selections(model.weights.layers[0].attn, jnp.asarray(x), cfg))
   np.testing.assert_array_equal(blocked, dense)  # the same keys in the same order
   for b in range(B):
     for q_ in range(S):
