@@ -250,32 +250,40 @@ def test_pilot_recall_matches_independent_routing(random_store):
   x = model.weights.embed[jnp.asarray(toks)]
   sel, pred, want_hits, want_actual = None, None, 0, 0
 
+  # Each step jitted: run eagerly, every primitive compiles on its own at every shape
+  @jax.jit
+  def pilot(x, norm, router, bias):  # a router's top 3 on x
+    hn = rms_norm(x, norm, cfg.rms_norm_eps)[0]
+    return jax.lax.top_k(jax.nn.sigmoid(hn @ router.T) + bias, 3)[1]
+
+  @jax.jit
+  def block(lw, x, sel):  # (post-attention residual, output, selection, routed ids or None)
+    a, _, sel = att.attention(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), 0, cfg,
+                              selection=sel)
+    x = x + a
+    hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+    if not isinstance(lw.mlp, MoE):
+      return x, x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), sel, None
+    return x, x + moe_block(lw.mlp, hm, cfg), sel, route(hm[0], lw.mlp.router, lw.mlp.bias,
+                                                        cfg)[0]
+
   def predict(i, x):  # layer i+1's router on x, when layer i+1 is a MoE layer
     nxt = layers[i + 1] if i + 1 < len(layers) else None
     if nxt is None or not isinstance(nxt.mlp, MoE):
       return None
-    hn = rms_norm(x, nxt.mlp_norm, cfg.rms_norm_eps)[0]
-    sc = jax.nn.sigmoid(hn @ nxt.mlp.router.T) + nxt.mlp.bias
-    return set(np.unique(np.asarray(jax.lax.top_k(sc, 3)[1])).tolist())
+    return set(np.unique(np.asarray(pilot(x, nxt.mlp_norm, nxt.mlp.router, nxt.mlp.bias))
+                         ).tolist())
 
-  # Jitted: run eagerly, each block compiles every primitive at every shape
-  attend = jax.jit(att.attention, static_argnames=("start", "cfg"))
-  moe_fn = jax.jit(moe_block, static_argnames=("cfg",))
   for i, lw in enumerate(layers):
-    a, _, sel = attend(lw.attn, rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), 0, cfg,
-                       selection=sel)
-    x = x + a
-    hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-    if not isinstance(lw.mlp, MoE):
-      x = x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down)
+    resid, x, sel, ids = block(lw, x, sel)
+    if ids is None:
       pred = predict(i, x)  # from the dense layer's output
       continue
-    union = set(np.unique(np.asarray(route(hm[0], lw.mlp.router, lw.mlp.bias, cfg)[0])).tolist())
+    union = set(np.unique(np.asarray(ids)).tolist())
     if pred is not None:
       want_hits += len(pred & union)
       want_actual += len(union)
-    pred = predict(i, x)  # from the post-attention residual
-    x = x + moe_fn(lw.mlp, hm, cfg)
+    pred = predict(i, resid)  # from the post-attention residual
   assert want_actual > 0 and (hits, actual) == (want_hits, want_actual)
 
 
