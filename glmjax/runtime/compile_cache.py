@@ -9,6 +9,7 @@ over 1 s, and a decode step is made of many small ones (the embedded model's tak
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import warnings
@@ -39,6 +40,31 @@ def enable(path: str | None = None) -> str | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+# --- how many programs this process compiled: the end of a server's warm-up ----------------
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
+_compiled = 0
+
+
+def _count(event: str, _seconds: float, **_kwargs) -> None:
+  global _compiled
+  _compiled += event == _COMPILE_EVENT
+
+
+@functools.cache
+def _listen() -> None:  # once per process
+  import jax
+  jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def compilations() -> int:
+  """XLA programs this process compiled or loaded from the persistent cache since the first
+  call (every step, and every eager op at a new shape): a server has warmed up once this
+  stops moving (/health `compilations`, scripts/soak.py)."""
+  _listen()
+  return _compiled
 
 
 # --- memory mappings: what a process that compiles many shapes runs out of first -------------

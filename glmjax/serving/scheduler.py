@@ -26,6 +26,7 @@ from glmjax.decoding.generation import new_request
 from glmjax.decoding.logprobs import prompt_logprobs
 from glmjax.serving.batch import GiB, BatchDecoder, kv_budget
 from glmjax.offload.owners import peers_named
+from glmjax.runtime import compile_cache
 from glmjax.serving.follow import IDLE_TICK_S
 
 # Engine counters each request gets its share of (a step's reads serve every live row).
@@ -179,6 +180,7 @@ class Scheduler:
                                  "faults", "recovered"), 0)
     self.peak_live = 0
     self._trim = HeapTrim()
+    self._compiled_before = compile_cache.compilations()  # /health counts the serving's
     self._engine_view = self._telemetry()  # published by the scheduler thread from now on
     self._thread = threading.Thread(target=self._run, name="glmjax-scheduler", daemon=True)
     self._thread.start()
@@ -214,6 +216,7 @@ class Scheduler:
         out["kv"]["prefix_cached_pages"] = pool.prefix.cached_pages
         out["kv"]["prefix_hit_tokens"] = pool.prefix.hits_tokens
       out["heap_trim"] = self._trim.state()
+      out["compilations"] = compile_cache.compilations() - self._compiled_before
       if self._engine_view is not None:
         out["engine"] = {k: self._engine_view.get(k, 0.0) for k in ENGINE_KEYS}
     if self.dead:
