@@ -230,11 +230,12 @@ def pytest_runtest_protocol(item, nextitem):
   def cpu():
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+  from glmjax.runtime.compile_cache import compilations
   seen = _compile_seconds()
-  start, before = cpu(), dict(seen)
+  start, before, compiled = cpu(), dict(seen), compilations()
   yield
   worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-  spent = [seen[k] - before[k] for k in seen]
+  spent = [seen[k] - before[k] for k in seen] + [compilations() - compiled]
   with open(os.path.join(log, worker + ".tsv"), "a", encoding="utf-8") as f:
     f.write(f"{item.nodeid}\t{cpu() - start:.2f}\t" + "\t".join(f"{x:.2f}" for x in spent) +
             "\n")
@@ -248,14 +249,13 @@ _COMPILE_EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
 @functools.cache
 def _compile_seconds() -> dict:
   """This worker's JAX seconds so far tracing, lowering and compiling (XLA; a persistent-cache
-  hit counts its load), and its count of XLA compilations and loads, kept by a listener."""
+  hit counts its load), kept by a listener; the count of compilations is compile_cache's."""
   import jax
-  seen = dict.fromkeys([*_COMPILE_EVENTS, "compiles"], 0.0)
+  seen = dict.fromkeys(_COMPILE_EVENTS, 0.0)
   names = {v: k for k, v in _COMPILE_EVENTS.items()}
 
   def listen(event, seconds, **_):
     if event in names:
       seen[names[event]] += seconds
-      seen["compiles"] += event == _COMPILE_EVENTS["compile"]
   jax.monitoring.register_event_duration_secs_listener(listen)
   return seen
