@@ -59,6 +59,9 @@ flags.DEFINE_float("read_timeout_s", 30, "A request's headers must arrive within
 flags.DEFINE_string("cors_origins", None, "Comma-separated exact origins (scheme://host[:port]) "
                     "whose pages may call the server cross-origin; default none (preflights get "
                     "405). A wildcard is refused.")
+flags.DEFINE_boolean("warm_prefill", True, "Compile every prefill width a prompt may need "
+                     "(powers of two up to --prefill_chunk) ahead, one at a time while no "
+                     "request is live or waiting, so that later requests meet compiled steps.")
 # Every glmjax.load option; the server's prefix cache is on by default and goes to the batch.
 cli.define_load_flags(defaults={"prefix_cache": True},
                       notes={"prefix_cache": "Here: the batch's requests share them."})
@@ -86,7 +89,8 @@ def main(argv):
     from glmjax.serving.follow import Channel
     channel = Channel() if distributed.process_count() > 1 else None
     server = create_app(model, FLAGS.max_batch, FLAGS.max_queue, FLAGS.served_name,
-                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache, channel, origins)
+                        FLAGS.kv_cache_gb, guard, FLAGS.prefix_cache, channel, origins,
+                        FLAGS.warm_prefill)
   except glmjax.GlmjaxError as e:
     print(f"error: {e}", file=sys.stderr)
     distributed.exit_now(1)  # several processes: the others' next collective fails

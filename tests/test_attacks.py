@@ -58,7 +58,7 @@ class Records(logging.Handler):
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=256)
-  app = create_app(model, max_batch=4, max_queue=8,
+  app = create_app(model, max_batch=4, max_queue=8, warm_prefill=False,
                    guard=Guard((KEY,), read_timeout_s=READ_TIMEOUT_S))
   records = Records()
   loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "uvicorn.access")]
@@ -399,8 +399,9 @@ def test_cors_is_off_by_default_and_an_exact_allowlist(server):
     transport.cors_origins("http://a.example/path")
   from starlette.testclient import TestClient
   allowed = "http://app.example:3000"
+  origins = transport.cors_origins(allowed + ", http://b.example")
   app = create_app(server["model"], max_batch=4, max_queue=8,  # the fixture's shapes
-                   cors_origins=transport.cors_origins(allowed + ", http://b.example"))
+                   warm_prefill=False, cors_origins=origins)
   try:
     client = TestClient(app, base_url="http://127.0.0.1")
     r = client.options("/v1/chat/completions", headers={**preflight, "origin": allowed})

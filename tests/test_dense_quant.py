@@ -392,7 +392,7 @@ def test_int4_dense_store_fuses_speculates_and_serves_bitwise(embedded_dense):
     assert spec.tokens == plain and spec.stats["draft_proposed"] > 0
     np.testing.assert_array_equal(m.score(np.array([ids])), logits)
     assert eng.telemetry().get("fused_steps", 0) > 0
-    app = create_app(m, max_batch=2, max_queue=2)
+    app = create_app(m, max_batch=2, max_queue=2, warm_prefill=False)
     with serving(app) as port:
       client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                              max_retries=0)

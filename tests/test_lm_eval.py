@@ -97,7 +97,8 @@ def _expected(model, docs) -> list[list[float]]:
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=256)
-  app = create_app(model, max_batch=4, max_queue=8)  # no API key: lm-eval sends an empty one
+  # no API key: lm-eval sends an empty one; no warm-up (test_serve_warm: CPU the suite spares)
+  app = create_app(model, max_batch=4, max_queue=8, warm_prefill=False)
   with serving(app) as port:
     yield dict(model=model, base=f"http://127.0.0.1:{port}")
   model.close()

@@ -260,7 +260,7 @@ def test_server_kv_budget_refuses_what_never_fits_and_serves_the_rest():
   model = glmjax.load(progress=False)  # max_position_embeddings 1024
   layout = model.kv_layout()
   budget = 2 * layout.page_bytes() / 2**30
-  sched = Scheduler(model, max_batch=2, max_queue=4, kv_cache_gb=budget)
+  sched = Scheduler(model, max_batch=2, max_queue=4, kv_cache_gb=budget, warm=False)
   try:
     assert sched.batch.pool.n_pages - 1 == 2
     loop = asyncio.new_event_loop()

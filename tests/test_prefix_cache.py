@@ -108,7 +108,8 @@ def test_the_server_reports_cached_tokens(model):
   from glmjax.serving.app import create_app
   from tests.test_serve import serving
   _, prompts = _prompts(model)
-  app = create_app(model, max_batch=2, max_queue=4, kv_cache_gb=0.05)  # prefix cache: default
+  app = create_app(model, max_batch=2, max_queue=4, kv_cache_gb=0.05,  # prefix cache: default
+                   warm_prefill=False)
   with serving(app) as port:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     got = [client.completions.create(model=app.state.model_name, prompt=p.tolist(),

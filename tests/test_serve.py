@@ -68,7 +68,9 @@ def serving(app, config: uvicorn.Config | None = None):
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=256)  # a short batch cache: fast steps
-  app = create_app(model, max_batch=4, max_queue=4)
+  # The prefill warm-up (on by default) has its own tests (test_serve_warm, test_soak and the
+  # script runs below); the in-process apps skip it: every width compiled is 1-3 s of CPU.
+  app = create_app(model, max_batch=4, max_queue=4, warm_prefill=False)
   with serving(app) as port:
     base = f"http://127.0.0.1:{port}"
     yield dict(model=model, app=app, base=base, port=port, name=app.state.model_name,

@@ -39,7 +39,7 @@ CALL = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_valu
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=512)  # a tool's definition takes ~200 tokens
-  app = create_app(model, max_batch=2, max_queue=4, guard=Guard((KEY,)))
+  app = create_app(model, max_batch=2, max_queue=4, guard=Guard((KEY,)), warm_prefill=False)
   with serving(app) as port:
     base = f"http://127.0.0.1:{port}"
     yield dict(model=model, tok=model.tokenizer, name=app.state.model_name,

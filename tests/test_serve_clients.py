@@ -30,7 +30,7 @@ CODE = "import os\nimport sys\n\ndef main(argv):\n  for name in argv:\n    print
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=256)
-  app = create_app(model, max_batch=4, max_queue=8, guard=Guard((KEY,)))
+  app = create_app(model, max_batch=4, max_queue=8, guard=Guard((KEY,)), warm_prefill=False)
   with serving(app) as port:
     base = f"http://127.0.0.1:{port}"
     yield dict(model=model, app=app, port=port, name=app.state.model_name,
@@ -322,7 +322,7 @@ def test_an_injected_fault_fails_its_request_only(server, monkeypatch):
 def test_a_dead_scheduler_is_a_503_at_once():
   from starlette.testclient import TestClient
   model = glmjax.load(progress=False, max_context=64)
-  app = create_app(model, max_batch=1, max_queue=1)
+  app = create_app(model, max_batch=1, max_queue=1, warm_prefill=False)
   sched = app.state.scheduler
 
   def die():
@@ -391,7 +391,7 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   assert not model.executor.one_jit
   prompts = ["def ", "for i in", "import os\n", "x = "]
   want = [model.generate(p, 6).text for p in prompts]
-  app = create_app(model, max_batch=4, max_queue=4)
+  app = create_app(model, max_batch=4, max_queue=4, warm_prefill=False)
   polls, stop = [], threading.Event()
 
   def poll(port):  # every 20 ms: a tight loop would take the GIL from the scheduler

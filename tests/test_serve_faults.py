@@ -81,7 +81,7 @@ def served(tmp_path_factory):
   solos = [_solo(model, p) for p in PROMPTS]
   picks = _pick(solos, layer, model.config.n_routed_experts)
   assert len(picks) >= 3, "no expert of the middle layer splits the prompts: change PROMPTS"
-  app = create_app(model, max_batch=4, max_queue=4)
+  app = create_app(model, max_batch=4, max_queue=4, warm_prefill=False)
   with serving(app) as port:
     yield dict(model=model, app=app, port=port, layer=layer, picks=picks, path=path)
   model.close()

@@ -48,7 +48,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.fixture(scope="module")
 def server():
   model = glmjax.load(progress=False, max_context=512)
-  app = create_app(model, max_batch=N, max_queue=N)
+  app = create_app(model, max_batch=N, max_queue=N, warm_prefill=False)
   with serving(app) as port:
     base = f"http://127.0.0.1:{port}"
     yield dict(model=model, tok=model.tokenizer, name=app.state.model_name,

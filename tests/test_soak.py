@@ -34,8 +34,8 @@ def test_soak_keeps_its_invariants(tmp_path):
     model.close()
   assert r.returncode == 0, r.stderr[-3000:]
   report = json.loads(out.read_text())
-  kinds = {"chat", "chat_stream", "completion", "completion_stream", "cancel", "prefix", "long",
-           "n", "n_stream", "logprobs", "chat_logprobs", "tools", "json_schema"}
+  kinds = {"width", "chat", "chat_stream", "completion", "completion_stream", "cancel", "prefix",
+           "long", "n", "n_stream", "logprobs", "chat_logprobs", "tools", "json_schema"}
   assert set(report["by_kind"]) == kinds  # the first pass sends every kind
   assert report["status"] == {"200": report["requests"]}  # no 5xx, nor any other refusal
   assert report["problems"] == {} and report["examples"] == []  # no empty or truncated reply

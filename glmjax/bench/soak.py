@@ -4,11 +4,13 @@ scripts/soak.py).
 Client threads send the KINDS: chat and completions, streaming and not; a stream closed after
 two events (a cancel); prompts sharing up to three KV pages; a prompt of the whole context less
 max_tokens; n = 3, streamed n = 2; logprobs; a chat offering a tool (`tools`); a json_schema
-response_format (`json_schema`; `json_schema=False` for servers without it). Warm-up ends when
-every client has sent one full pass over every kind (every expert read: a host cache smaller
-than the store is full), min(60 s, `minutes` / 5) has passed, and the server has compiled no
-new program for QUIET_S (its /health `compilations`: an offloaded store meets new step shapes
-for minutes), or at the latest at half the load. RSS
+response_format (`json_schema`; `json_schema=False` for servers without it). Before them, one
+`width` request per prefill width (a prompt of random tokens, no prefix hit, for each power of
+two that fits): every prefill shape runs once with real routing. Warm-up ends when every
+client has sent one full pass over every kind (every expert read: a host cache smaller than
+the store is full), min(60 s, `minutes` / 5) has passed, the server compiles no prefill width
+ahead any more (/health `warming`) and has compiled no new program for QUIET_S (/health
+`compilations`), or at the latest at half the load. RSS
 growth: the server's RSS at the end against that at warm-up's end, both read at rest (clients
 parked, the server drained and past its idle heap trim), so that in-flight work does not count;
 sampled every `rss_every` s meanwhile; not measured without the server's pid. A 429 (the queue
@@ -38,8 +40,8 @@ import psutil
 
 RETRIES_429 = 200  # sends of one request while the server answers 429 (0.25 s apart)
 QUIET_S = 30.0  # warm-up ends after this long without a compilation in the server
-KINDS = ("chat", "chat_stream", "completion", "completion_stream", "cancel", "prefix", "long",
-         "n", "n_stream", "logprobs", "chat_logprobs", "tools", "json_schema")
+KINDS = ("width", "chat", "chat_stream", "completion", "completion_stream", "cancel", "prefix",
+         "long", "n", "n_stream", "logprobs", "chat_logprobs", "tools", "json_schema")
 CODE = "import os\nimport sys\n\ndef main(argv):\n  for name in argv:\n    print(name)\n"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
@@ -88,13 +90,17 @@ class Soak:
     room = min(h["kv"]["context"], h["kv"]["pages"] * ps // h["max_batch"]) - self.mt - 1
     self.ids = ids = ids * (1 + room // len(ids))
     self.long, self.prefix = ids[:room], ids[:min(3, (room - 4) // ps) * ps or (room - 4) // 2]
+    self.widths = [1 << i for i in range(room.bit_length())]  # [1, 2, 4, ...] ≤ room
     return h
 
-  def body(self, kind, rng):
-    """(path, JSON body) of one request of `kind`."""
+  def body(self, kind, rng, width=None):
+    """(path, JSON body) of one request of `kind` (a `width` one: `width` random tokens, by
+    default a random one of `self.widths`)."""
     chat = {"messages": [{"role": "user", "content": CODE[:rng.randint(10, 60)]}]}
     text, stream = {"prompt": CODE[:rng.randint(10, 60)]}, {"stream": True}
-    b = {"chat": chat, "chat_stream": {**chat, **stream}, "completion": text,
+    width = width or rng.choice(self.widths)
+    b = {"width": {"prompt": [rng.choice(self.ids) for _ in range(width)]},
+         "chat": chat, "chat_stream": {**chat, **stream}, "completion": text,
          "completion_stream": {**text, **stream},
          "cancel": {**text, **stream, "max_tokens": 4 * self.mt},
          "prefix": {"prompt": self.prefix + [rng.choice(self.ids) for _ in range(4)]},
@@ -108,8 +114,8 @@ class Soak:
     path = "/v1/chat/completions" if "messages" in b else "/v1/completions"
     return path, {"model": self.model, "max_tokens": self.mt, **b}
 
-  def one(self, kind, rng):  # sends one request of `kind`; records what came back
-    path, body = self.body(kind, rng)
+  def one(self, kind, rng, width=None):  # sends one request of `kind`; records what came back
+    path, body = self.body(kind, rng, width)
     n, r, problem, t0 = body.get("n", 1), None, None, time.monotonic()
     texts, finish, tokens, done = collections.defaultdict(str), {}, 0, False
     conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
@@ -162,7 +168,9 @@ class Soak:
 
   def client(self, i, start, first_pass):
     rng = random.Random(i)  # client i's kinds: the same every run
-    for kind in rng.sample(self.kinds, len(self.kinds)):  # the first pass: every kind once
+    for w in self.widths[i::self.o.clients]:  # the first pass: every prefill width once,
+      self.one("width", rng, w)
+    for kind in rng.sample(self.kinds, len(self.kinds)):  # and every kind once
       self.one(kind, rng)
     with self.hold:
       self.active += 1
@@ -190,9 +198,11 @@ class Soak:
     latest when half the load has passed."""
     settle, latest, last, since = min(60.0, self.o.minutes * 12), self.o.minutes * 30, -1, 0.0
     while (now := time.monotonic()) - start < latest:
-      n = self.call("GET", "/health").get("compilations")
+      h = self.call("GET", "/health")
+      n = h.get("compilations")
       last, since = (last, since) if n == last else (n, now)
-      if now - start >= settle and (n is None or now - since >= QUIET_S):
+      if now - start >= settle and not h.get("warming") and (
+          n is None or now - since >= QUIET_S):
         return
       time.sleep(1.0)
 

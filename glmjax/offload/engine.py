@@ -48,7 +48,7 @@ from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, RecordOptions, 
 from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
-from glmjax.offload.fused import FusedStep
+from glmjax.offload.fused import FUSED_GUESS_TOKENS, FusedStep
 from glmjax.offload.owners import Ownership, peer_guarded
 from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
@@ -403,20 +403,27 @@ class OffloadEngine:
     return KVCache([kept.get(i, lc) for i, lc in enumerate(cache.layers)], cache.pages,
                    cache.length)
 
-  def precompile(self, tokens, cache: KVCache, absorbed: bool = True) -> KVCache:
+  def precompile(self, tokens, cache: KVCache, absorbed: bool | None = True,
+                 n_valid=None) -> KVCache:
     """Compiles the steps of a `tokens` `[B, S]` shape ahead of its first real step (a
     server's batch would otherwise stall on them): runs one step whose rows are all padding
     through the layer steps (padding routes nothing, so nothing is read), and compiles the
-    fused step for it without running it. Counters, heat and the fused-step state are left
-    as they were. Returns the new cache (`cache` is donated); its rows hold nothing valid."""
+    fused step for it (where a step that wide is tried fused) without running it. `absorbed`
+    and `n_valid` (0 as one count, as a prefill passes it; None: a zero per row, as a batch
+    step) are those of the real step, whose compiled programs they select. Counters, heat and
+    the fused-step state are left as they were. Returns the new cache (`cache` is donated);
+    its rows hold nothing valid."""
     self.settle()
     pf = self.prefetcher
     saved = (collections.Counter(self.stats), self.fused_step.ready, pf.prev_union)
-    n_valid = np.zeros(tokens.shape[0], np.int32)
+    # a batch step may be tried fused at any width (all its experts cached), a prefill chunk
+    # only when it is narrow enough for a guess (FusedStep.worth_trying)
+    fused = self.fused_step.enabled and (n_valid is None or tokens.size <= FUSED_GUESS_TOKENS)
+    n_valid = np.zeros(tokens.shape[0], np.int32) if n_valid is None else n_valid
     pf.paused = True  # no fill, no landing or expiry, no fused attempt, no heat decay
     try:
       _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
-      if self.fused_step.enabled:
+      if fused:
         compiled, args = self.fused_step.executable(jnp.asarray(tokens, jnp.int32), cache,
                                                     absorbed, n_valid)
         cache = compiled(*args)[2]

@@ -75,10 +75,12 @@ class HostSlab:
     Each chunk goes in as its own argument (page-aligned reads are taken without a copy) and
     is copied once, into its slot: stacking the chunks first cost two more copies of each and
     the page faults of two fresh buffers."""
-    for i in range(0, len(slots), WRITE_BATCH):
-      part, chunk = slots[i:i + WRITE_BATCH], blobs[i:i + WRITE_BATCH]
-      self.pool = _install_blobs(self.pool, np.asarray(part, np.int32), tuple(chunk),
-                                 self.layout)
+    i = 0
+    while i < len(slots):  # calls of a power-of-two size: 4 compiled shapes, not 8
+      n = 1 << (min(len(slots) - i, WRITE_BATCH).bit_length() - 1)
+      self.pool = _install_blobs(self.pool, np.asarray(slots[i:i + n], np.int32),
+                                 tuple(blobs[i:i + n]), self.layout)
+      i += n
 
 
 class HostSlabs:

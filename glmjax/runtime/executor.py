@@ -75,6 +75,10 @@ class Executor(Protocol):
   def warm_batch(self, cache: KVCache, tokens: np.ndarray, lengths) -> KVCache:
     """Compiles a batch's decode step ahead, changing no counters; returns the cache."""
 
+  def warm_prefill(self, cache: KVCache, width: int) -> KVCache:
+    """Compiles ahead what `prefill` runs for a one-row chunk `width` wide (a power of two,
+    `chunk_plan`), changing no counters; `cache` is one row over the null page. Returns it."""
+
   def compiled(self) -> list[str]:
     """The steps compiled ahead so far, one entry (the step's name) per executable."""
 
@@ -277,6 +281,12 @@ class ResidentExecutor(Steps):
 
   def warm_batch(self, cache, tokens, lengths):
     return self.step(cache, tokens, lengths, n_valid=np.zeros(len(tokens), np.int32))[2]
+
+  def warm_prefill(self, cache, width):
+    cache = self._at(cache, 0)
+    args = (self.weights, cache, self.put(np.zeros((1, width), np.int32)), self.put(1, jnp.int32))
+    self._compile(prefill_fn, args, self._static(record=None, hidden="last"))  # as `prefill`
+    return cache
 
 
 def add_records(recorder, tokens, n_valid, records) -> None:

@@ -66,6 +66,11 @@ class OffloadExecutor(Steps):
     del lengths  # the engine's precompile steps at the cache's own lengths
     return self.engine.precompile(self.put(tokens), cache)
 
+  def warm_prefill(self, cache, width):
+    # one chunk goes through `engine.forward` with its real count as an int (absorbed: auto)
+    return self.engine.precompile(jnp.zeros((1, width), jnp.int32), self._at(cache, 0),
+                                  absorbed=None, n_valid=0)
+
   def with_attention(self, impl: str):
     raise NotImplementedError("the offload engine's attention is fixed at load: "
                               f"glmjax.load(..., attention={impl!r})")

@@ -57,7 +57,8 @@ def _error(e: ApiError) -> JSONResponse:
 
 def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None = None,
                kv_cache_gb: float | None = None, guard: Guard | None = None,
-               prefix_cache: bool = True, channel=None, cors_origins: tuple[str, ...] = ()):
+               prefix_cache: bool = True, channel=None, cors_origins: tuple[str, ...] = (),
+               warm_prefill: bool = True):
   """A Starlette app serving `model` (glmjax.api.Model) with continuous batching of up to
   `max_batch` requests and `max_queue` waiting, their KV pages from a budget of `kv_cache_gb`
   (None: automatic, glmjax.serving.batch.kv_budget), behind `guard` (default: no API key, a
@@ -65,15 +66,17 @@ def create_app(model, max_batch: int = 4, max_queue: int = 16, name: str | None 
   prefixes already prefilled (glmjax.decoding.prefix). With `channel`
   (glmjax.serving.follow.Channel, on process 0 of several) the other processes follow its batch
   operations. Browsers on `cors_origins` (exact origins, glmjax.serving.transport.cors_origins)
-  may call it cross-origin; by default none may. `app.state.scheduler` is its scheduler; call
-  `app.state.scheduler.close()` when done."""
+  may call it cross-origin; by default none may. With `warm_prefill` the scheduler compiles
+  every prefill width ahead while idle (Scheduler `warm`). `app.state.scheduler` is its
+  scheduler; call `app.state.scheduler.close()` when done."""
   from glmjax.serving.scheduler import Scheduler
   name = name or model_name(model)
   guard = guard or Guard()
   tok = model.tokenizer
   if tok is None:
     raise GlmjaxError(f"{model.path}: serving needs a tokenizer (tokenizer.json)")
-  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache, channel)
+  scheduler = Scheduler(model, max_batch, max_queue, kv_cache_gb, prefix_cache, channel,
+                        warm_prefill)
   gen = sampling.SamplingParams.from_generation_config(tok.generation_config or {})
   defaults = {"temperature": gen.temperature, "top_p": gen.top_p}
 

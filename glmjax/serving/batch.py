@@ -21,6 +21,8 @@ import numpy as np
 
 from glmjax.decoding.pages import GiB, KVPool, free_bytes
 from glmjax.errors import ExpertIOError, InputError
+from glmjax.model.forward import bucket
+from glmjax.runtime.executor import MIN_BUCKET
 
 AUTO_KV_SHARE = 4  # the automatic KV budget: at most a quarter of the memory still free
 
@@ -46,6 +48,14 @@ def kv_budget(model, width: int, context: int, kv_cache_gb: float | None) -> int
     return int(kv_cache_gb * GiB)
   full = width * layout.pages_for(context) * layout.page_bytes()
   return max(layout.page_bytes(), min(full, free_bytes() // AUTO_KV_SHARE))
+
+
+def prefill_widths(context: int, chunk: int) -> list[int]:
+  """Every chunk width a prompt that leaves room for one new token in `context` is prefilled
+  in (glmjax.runtime.executor.chunk_plan: powers of two, capped at `chunk` unless it is 0)."""
+  top = bucket(max(1, context - 1), MIN_BUCKET)
+  widths = {1 << i for i in range(top.bit_length()) if 1 << i >= MIN_BUCKET}
+  return sorted({min(w, chunk) for w in widths} if chunk else widths)
 
 
 class BatchDecoder:
@@ -81,6 +91,18 @@ class BatchDecoder:
     cache = self._cache()
     cache = self.executor.warm_batch(cache, tok, self._lengths())
     self.pool.update(cache)
+    # The prefill widths a prompt may need, compiled one at a time by `warm_next` (the
+    # scheduler, between its turns' work): a request then never waits on a compilation.
+    self.cold_widths = prefill_widths(self.context, self.executor.chunk)
+
+  def warm_next(self) -> int:
+    """Compiles the next cold prefill width (as `admit` prefills it, fresh or after a prefix
+    hit: the same widths) and returns it."""
+    width = self.cold_widths[0]
+    one = self.pool.cache([np.zeros(self.width_pages, np.int32)], 0, self.executor.put)
+    self.pool.update(self.executor.warm_prefill(one, width))
+    self.cold_widths.pop(0)  # only now: /health's `warming` counts it until it is compiled
+    return width
 
   # --- state ---------------------------------------------------------------------------------
   @property

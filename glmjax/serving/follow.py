@@ -150,6 +150,10 @@ class Follower:
     for row in self.batch.step():
       self.tags.pop(row.tag.id)
 
+  def _warm(self, cmd: dict) -> None:
+    del cmd
+    self.batch.warm_next()
+
   def _drop(self, cmd: dict) -> None:
     tag = self.tags.pop(cmd["id"], None)
     if tag is not None:

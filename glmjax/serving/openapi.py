@@ -199,7 +199,8 @@ def _get(summary: str, reply: dict, public: bool = False) -> dict:
 
 def _health() -> dict:
   """/health: its own body in both cases, 503 once the scheduler has stopped."""
-  body = _obj("status", "model", status={"enum": ["ok", "error"]}, compilations=_INT)
+  body = _obj("status", "model", status={"enum": ["ok", "error"]}, compilations=_INT,
+              warming=_INT)
   op = _get("liveness and counters", body, public=True)
   op["get"]["responses"]["503"] = {"description": "the scheduler has stopped",
                                    "content": {JSON: {"schema": body}}}

@@ -157,7 +157,8 @@ class Scheduler:
   each batch operation before running it, so that theirs run the same collectives."""
 
   def __init__(self, model, max_batch: int = 4, max_queue: int = 16,
-               kv_cache_gb: float | None = None, prefix_cache: bool = False, channel=None):
+               kv_cache_gb: float | None = None, prefix_cache: bool = False, channel=None,
+               warm: bool = True):
     if max_queue < 0:
       raise InputError(f"max_queue must be ≥ 0, got {max_queue}")
     self.model = model
@@ -170,6 +171,10 @@ class Scheduler:
     self.batch = BatchDecoder(model, max_batch, kv_cache_gb=kv_cache_gb,
                               prefix_cache=prefix_cache)
     self.context = self.batch.context
+    # With `warm`, an idle turn (no live row, nothing waiting) compiles one prefill width not
+    # compiled yet, until none is left (`BatchDecoder.warm_next`): later requests meet compiled
+    # steps only, and a request never waits on more than the one compilation under way.
+    self.warm = warm
     self._waiting: collections.deque[Job] = collections.deque()
     self._jobs: dict[int, Job] = {}  # admitted, decoding
     self._cond = threading.Condition()
@@ -217,6 +222,8 @@ class Scheduler:
         out["kv"]["prefix_hit_tokens"] = pool.prefix.hits_tokens
       out["heap_trim"] = self._trim.state()
       out["compilations"] = compile_cache.compilations() - self._compiled_before
+      if self.warm:
+        out["warming"] = len(self.batch.cold_widths)  # prefill widths still to compile
       if self._engine_view is not None:
         out["engine"] = {k: self._engine_view.get(k, 0.0) for k in ENGINE_KEYS}
     if self.dead:
@@ -265,7 +272,8 @@ class Scheduler:
 
   def _has_work(self) -> bool:
     return self._stop or bool(self._waiting and self.batch.can_admit(
-        self._tokens(self._waiting[0]))) or (not self._held and bool(self.batch.live))
+        self._tokens(self._waiting[0]))) or (not self._held and bool(self.batch.live)) or (
+            self._warm_due())
 
   def _serve(self) -> None:
     faults = 0  # consecutive failed turns
@@ -309,6 +317,8 @@ class Scheduler:
           break
         job = self._waiting.popleft()
       self._admit(job)
+    if self._warm_due():
+      self._warm_one()
     if not self.batch.live or self._held:
       return
     self.peak_live = max(self.peak_live, self.batch.live)
@@ -358,6 +368,24 @@ class Scheduler:
     else:
       with self._cond:
         self._jobs[job.id] = job
+
+  def _warm_due(self) -> bool:
+    return self.warm and bool(self.batch.cold_widths) and not (self.batch.live or self._waiting)
+
+  def _warm_one(self) -> None:
+    """Compiles one more prefill width. A failure ends the warm-up (the widths left compile
+    on first use) and fails no request; its step may have taken the KV arrays: `_recover`."""
+    self._tell("warm")
+    try:
+      self.batch.warm_next()
+    except PeerError:
+      raise
+    except Exception as e:  # noqa: BLE001 - logged; serving goes on without the warm-up
+      logging.exception("compiling a prefill width ahead failed; the rest compile on first use")
+      self.warm = False
+      self.batch.cold_widths.clear()
+      if self.batch.damaged():
+        self._recover(e, give_up=False)
 
   @staticmethod
   def _tokens(job: Job) -> int:
