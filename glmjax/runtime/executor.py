@@ -124,8 +124,10 @@ class Steps:
   def put(self, x, dtype=None, batch: bool = False) -> jax.Array:
     """A host input (ids, lengths, page tables) as a device array: on the model's device, or
     replicated over its mesh (with `batch`, split along `data` when that axis divides it)."""
-    if self.mesh is None:
-      return jnp.asarray(x, dtype)
+    if self.mesh is None:  # committed to the device, as every step's output is: a jit compiles
+      # once per mix of committed and uncommitted arguments (a void fused step's page table
+      # and length are its outputs), which an offloaded store's soak met as late compilations
+      return jax.device_put(jnp.asarray(x, dtype), jax.devices()[0])
     from glmjax import sharding
     x = np.asarray(x, dtype)
     n = sharding.axis_size(self.mesh, "data")
@@ -144,6 +146,11 @@ class Steps:
       compile_cache.relieve_map_pressure()
       self._compiled[key] = fn.lower(*args, **dynamic, **static).compile()
     return self._compiled[key]
+
+  def ids(self, x) -> jax.Array:
+    """Token ids for the engine's prefill: committed to the device as `put`'s (a mesh takes
+    them as they are)."""
+    return jnp.asarray(x, jnp.int32) if self.mesh is not None else self.put(x, jnp.int32)
 
   def _at(self, cache: KVCache, length) -> KVCache:
     return KVCache(cache.layers, cache.pages, self.put(length, jnp.int32))
@@ -253,7 +260,7 @@ class ResidentExecutor(Steps):
            expert_cap=None):
     del expert_cap  # a verify pass's cap only bounds what an offloaded store reads
     cache = self._at(cache, length)
-    toks = jnp.asarray(tokens, jnp.int32) if self.mesh is None else self.put(tokens, jnp.int32)
+    toks = self.put(tokens, jnp.int32)
     record = RecordOptions() if recorder is not None else None
     nv = {} if n_valid is None else {"n_valid": self.put(n_valid, jnp.int32)}
     args = (self.weights, cache, toks)

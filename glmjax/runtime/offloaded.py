@@ -18,8 +18,7 @@ class OffloadExecutor(Steps):
 
   def prefill(self, cache, ids, start, hidden=False, recorder=None):
     plan = chunk_plan(len(ids), self.chunk)
-    pieces = [jnp.asarray(np.pad(ids[o:o + n], (0, w - n))[None].astype(np.int32))
-              for o, n, w in plan]
+    pieces = [self.ids(np.pad(ids[o:o + n], (0, w - n))[None]) for o, n, w in plan]
     rec = [] if recorder is not None else None
     n_last = plan[-1][1]
     xs, cache = self.engine.prefill(pieces, self._at(cache, start), n_last, record=rec)
@@ -33,7 +32,7 @@ class OffloadExecutor(Steps):
 
   def prefill_rows(self, cache, arr):
     plan = chunk_plan(arr.shape[1], self.chunk)
-    pieces = [jnp.asarray(np.pad(arr[:, o:o + n], ((0, 0), (0, w - n)))) for o, n, w in plan]
+    pieces = [self.ids(np.pad(arr[:, o:o + n], ((0, 0), (0, w - n)))) for o, n, w in plan]
     xs, cache = self.engine.prefill(pieces, cache, plan[-1][1])
     for x in xs:
       yield JITTED.logits(self.weights, x, cfg=self.cfg), cache
@@ -41,7 +40,7 @@ class OffloadExecutor(Steps):
   def step(self, cache, tokens, length, absorbed=True, n_valid=None, recorder=None,
            expert_cap=None):
     cache = self._at(cache, length)
-    toks = jnp.asarray(tokens, jnp.int32) if self.mesh is None else self.put(tokens, jnp.int32)
+    toks = self.put(tokens, jnp.int32)
     rec = [] if recorder is not None else None
     logits, x, new = self.engine.forward(toks, cache, absorbed=absorbed, n_valid=n_valid,
                                          record=rec, expert_cap=expert_cap)
@@ -68,7 +67,7 @@ class OffloadExecutor(Steps):
 
   def warm_prefill(self, cache, width):
     # one chunk goes through `engine.forward` with its real count as an int (absorbed: auto)
-    return self.engine.precompile(jnp.zeros((1, width), jnp.int32), self._at(cache, 0),
+    return self.engine.precompile(self.ids(np.zeros((1, width))), self._at(cache, 0),
                                   absorbed=None, n_valid=0)
 
   def with_attention(self, impl: str):

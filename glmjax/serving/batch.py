@@ -22,7 +22,7 @@ import numpy as np
 from glmjax.decoding.pages import GiB, KVPool, free_bytes
 from glmjax.errors import ExpertIOError, InputError
 from glmjax.model.forward import bucket
-from glmjax.runtime.executor import MIN_BUCKET
+from glmjax.runtime.executor import MIN_BUCKET, chunk_plan
 
 AUTO_KV_SHARE = 4  # the automatic KV budget: at most a quarter of the memory still free
 
@@ -94,6 +94,13 @@ class BatchDecoder:
     # The prefill widths a prompt may need, compiled one at a time by `warm_next` (the
     # scheduler, between its turns' work): a request then never waits on a compilation.
     self.cold_widths = prefill_widths(self.context, self.executor.chunk)
+
+  def _met(self, n_tokens: int) -> None:
+    """A prefill of `n_tokens` compiled its width, if it went in one chunk (the program
+    `warm_next` compiles): no need to compile it ahead any more."""
+    plan = chunk_plan(n_tokens, self.executor.chunk)
+    if len(plan) == 1 and plan[0][2] in self.cold_widths:
+      self.cold_widths.remove(plan[0][2])
 
   def warm_next(self) -> int:
     """Compiles the next cold prefill width (as `admit` prefills it, fresh or after a prefix
@@ -182,6 +189,7 @@ class BatchDecoder:
     assert len(ids) == row.length, (len(ids), row.length)
     one = self.pool.cache([self.pool.table(row.pages, self.width_pages)], 0, self.executor.put)
     self.pool.update(self.executor.prefill(one, ids, 0)[2])
+    self._met(len(ids))
 
   # --- work ----------------------------------------------------------------------------------
   def admit(self, prompt_ids: np.ndarray, req, tag=None) -> bool:
@@ -208,6 +216,7 @@ class BatchDecoder:
           self.pool.update(kv)
         raise
       self.pool.update(one)
+      self._met(n - start)
       if prefix is not None:
         prefix.insert(prompt_ids, pages, n)
       req.cached_tokens = start
