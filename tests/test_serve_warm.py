@@ -6,7 +6,9 @@ first request, which compiles the sampler's few small programs; a prompt's tail 
 hit is the same program, its start a traced length),
 and each greedy output equals a scheduler's without the warm-up, on the same model afterwards
 (the warm-up's writes go to the null page only). Offloaded: the warm-up reads no expert and
-changes no engine counter, and outputs equal those without it too.
+changes no engine counter, outputs equal those without it too, and serving the same prompts
+again compiles nothing whatever the tiers now hold (a jit compiles anew for each mix of
+committed and uncommitted inputs: the executors commit every input they make).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def test_an_offloaded_warm_up_reads_nothing_and_changes_no_answer(tmp_path):
     assert len(model.engine.read_log) == 0
     prompts = _prompts(model.config.vocab_size, (3, 5, 2))  # widths 4, 8, 2
     outs, _ = _serve(sched, prompts)
+    again, compiled = _serve(sched, prompts)  # the host cache and fused state differ now
     sched.close()
+    assert again == outs and compiled == [0, 0, 0], compiled
     assert outs == _unwarmed_outputs(model, prompts)
   finally:
     model.close()
