@@ -307,7 +307,7 @@ class TieredProvider:
       if self.mesh is not None:  # every owner's terms: pinned on its devices, host-held here
         out = self.mesh_terms(step, dev, mine(pinned), np.asarray(out))
       elif not parts:  # committed, as merge_terms' output is: the combine compiles once
-        out = jax.device_put(out, jax.devices()[0])
+        out = jax.device_put(out, jax.local_devices()[0])
       if self.stage_s is not None and j == len(steps) - 1:  # less what it waited for reads
         self.stage("expert_compute", t_compute + (self.reader.wait_s - wait0), out)
         self.stage_s["io_wait"] = self.stage_s.get("io_wait", 0.0) + self.reader.wait_s - wait0

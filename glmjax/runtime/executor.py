@@ -127,7 +127,7 @@ class Steps:
     if self.mesh is None:  # committed to the device, as every step's output is: a jit compiles
       # once per mix of committed and uncommitted arguments (a void fused step's page table
       # and length are its outputs), which an offloaded store's soak met as late compilations
-      return jax.device_put(jnp.asarray(x, dtype), jax.devices()[0])
+      return jax.device_put(jnp.asarray(x, dtype), jax.local_devices()[0])
     from glmjax import sharding
     x = np.asarray(x, dtype)
     n = sharding.axis_size(self.mesh, "data")

@@ -91,8 +91,8 @@ class BatchDecoder:
     cache = self._cache()
     cache = self.executor.warm_batch(cache, tok, self._lengths())
     self.pool.update(cache)
-    # The prefill widths a prompt may need, compiled one at a time by `warm_next` (the
-    # scheduler, between its turns' work): a request then never waits on a compilation.
+    # The prefill widths a prompt may need and no prefill has met yet, compiled one at a time
+    # by `warm_next` (the scheduler, in idle turns): later requests meet compiled steps.
     self.cold_widths = prefill_widths(self.context, self.executor.chunk)
 
   def _met(self, n_tokens: int) -> None:
