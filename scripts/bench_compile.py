@@ -3,12 +3,13 @@
   python scripts/bench_compile.py --layers=4,24 --json=docs/bench_compile.json
 
 For each total depth L (the tiny synthetic geometry: its one dense layer, then L - 1 MoE layers of
-float experts, alternating full and shared indexers), the resident executor's `prefill_fn`
-(one --prefill_tokens chunk) and `decode_fn` (one token) over a --capacity-position cache are
-traced, lowered and compiled from abstract weights (nothing is allocated), the persistent
-cache off and the in-memory caches cleared before each of --repeats rounds. Reports medians
-and each depth's ratio to the first. The forward is a Python loop over the layers inside one
-jit, so today the compile grows with L (DESIGN.md §4).
+float experts, alternating full and shared indexers), the resident `prefill_fn` (one
+--prefill_tokens chunk) and `decode_fn` (one token) over a --capacity-position cache run once
+on random weights, the persistent cache off and the in-memory caches cleared before each of
+--repeats rounds: the seconds JAX spends tracing, lowering and compiling (`CompileClock`) and
+the first call's wall time. Reports medians and each depth's ratio to the first, for the
+executor's layer steps (each decoder layer one jitted `layer_step`: identical layers compile
+once, DESIGN.md §4) and, side by side, for the same steps inside one outer jit.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from glmjax.bench.reporting import write_report
 from glmjax.formats.synthetic import DENSE_LAYERS, synthetic_config
 from glmjax.model import kvcache, weights
 from glmjax.model.config import Config
 from glmjax.model.forward import decode_fn, prefill_fn
+from glmjax.runtime.clock import CompileClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", ["4", "24"], "Total decoder layers (depths) to compile.")
@@ -35,25 +38,34 @@ flags.DEFINE_integer("repeats", 3, "Rounds per depth (medians reported).", lower
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
 
 
-def abstract_steps(layers: int) -> dict:
-  """The lowered-and-compiled prefill and decode steps at `layers` depth, timed (seconds)."""
-  raw = synthetic_config("tiny", moe_layers=layers - DENSE_LAYERS, mtp=False)
-  cfg = Config.from_dict(raw)
-  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-  w = jax.tree_util.tree_map(sds, weights.abstract(cfg, jnp.float32, with_mtp=False),
-                             is_leaf=weights.is_info)
-  cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, 1, FLAGS.capacity))
-  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-  steps = {"prefill": lambda: prefill_fn.lower(w, cache, i32(1, FLAGS.prefill_tokens), i32(),
-                                               cfg=cfg),
-           "decode": lambda: decode_fn.lower(w, cache, i32(1, 1), cfg=cfg)}
+def model_at(layers: int):
+  """(config, random weights) of the tiny geometry at `layers` total depth."""
+  cfg = Config.from_dict(synthetic_config("tiny", moe_layers=layers - DENSE_LAYERS, mtp=False))
+  return cfg, weights.init(cfg, with_mtp=False)
+
+
+# The same steps inside one outer jit: the nested layer steps are inlined into one program that
+# compiles every layer anew (the resident executor's steps before DESIGN.md §4's layer steps).
+ONE_JIT = {"prefill": jax.jit(prefill_fn, static_argnames=("cfg",), donate_argnames=("cache",)),
+           "decode": jax.jit(decode_fn, static_argnames=("cfg",), donate_argnames=("cache",))}
+LAYERED = {"prefill": prefill_fn, "decode": decode_fn}
+
+
+def first_steps(cfg: Config, w, fns: dict) -> dict:
+  """Compile seconds and first-call wall seconds of one prefill chunk and one decode step
+  through `fns` (LAYERED or ONE_JIT)."""
+  cache = kvcache.init_cache(cfg, 1, FLAGS.capacity)
+  toks = np.arange(FLAGS.prefill_tokens, dtype=np.int32)[None] % cfg.vocab_size
+  steps = {"prefill": lambda c: fns["prefill"](w, c, jnp.asarray(toks),
+                                               jnp.int32(len(toks[0])), cfg=cfg),
+           "decode": lambda c: fns["decode"](w, c, jnp.asarray(toks[:, :1]), cfg=cfg)}
   out = {}
-  for name, lower in steps.items():
-    t0 = time.perf_counter()
-    lowered = lower()
-    t1 = time.perf_counter()
-    lowered.compile()
-    out[name] = {"trace_lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+  for name, step in steps.items():
+    with CompileClock() as clock:
+      t0 = time.perf_counter()
+      cache = step(cache).cache
+      jax.block_until_ready(cache)
+    out[name] = {"compile_s": clock.seconds, "first_call_s": time.perf_counter() - t0}
   return out
 
 
@@ -63,25 +75,30 @@ def main(argv):
   depths = [int(x) for x in FLAGS.layers]
   if min(depths) <= DENSE_LAYERS:
     raise app.UsageError(f"--layers must exceed the geometry's {DENSE_LAYERS} dense layers")
-  rounds = {d: [] for d in depths}
+  models = {d: model_at(d) for d in depths}
+  modes = {"layer_steps": LAYERED, "one_jit": ONE_JIT}
+  rounds = {(m, d): [] for m in modes for d in depths}
   for _ in range(FLAGS.repeats):
     for d in depths:  # interleaved, so drift in the machine's load hits every depth alike
-      jax.clear_caches()
-      rounds[d].append(abstract_steps(d))
-  rows = []
-  for d in depths:
-    med = {f"{step}_{k}": statistics.median(r[step][k] for r in rounds[d])
-           for step in ("prefill", "decode") for k in ("trace_lower_s", "compile_s")}
-    med["total_s"] = sum(med.values())
-    rows.append({"layers": d, **med})
-  for row in rows:
-    row["ratio_to_first"] = row["total_s"] / rows[0]["total_s"]
-    print(f"L={row['layers']:3d}  total {row['total_s']:6.2f} s  "
-          f"(×{row['ratio_to_first']:.2f})  prefill compile {row['prefill_compile_s']:.2f} s  "
-          f"decode compile {row['decode_compile_s']:.2f} s")
+      for mode, fns in modes.items():
+        jax.clear_caches()
+        rounds[mode, d].append(first_steps(*models[d], fns))
   report = {"date": datetime.date.today().isoformat(), "geometry": "tiny",
             "prefill_tokens": FLAGS.prefill_tokens, "capacity": FLAGS.capacity,
-            "repeats": FLAGS.repeats, "rows": rows}
+            "repeats": FLAGS.repeats}
+  for mode in modes:
+    rows = []
+    for d in depths:
+      med = {f"{step}_{k}": statistics.median(r[step][k] for r in rounds[mode, d])
+             for step in ("prefill", "decode") for k in ("compile_s", "first_call_s")}
+      med["total_s"] = med["prefill_compile_s"] + med["decode_compile_s"]
+      rows.append({"layers": d, **med})
+    for row in rows:
+      row["ratio_to_first"] = row["total_s"] / rows[0]["total_s"]
+      print(f"{mode:12s} L={row['layers']:3d}  compile {row['total_s']:6.2f} s  "
+            f"(×{row['ratio_to_first']:.2f})  prefill {row['prefill_compile_s']:.2f} s  "
+            f"decode {row['decode_compile_s']:.2f} s")
+    report[mode] = rows
   write_report(report, FLAGS.json)
 
 

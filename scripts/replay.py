@@ -77,7 +77,7 @@ def main(argv):
       # The step compiles (over a second on a cold start) on a worker thread while this one
       # tokenizes the corpus and creates the trace: XLA compiles without holding the GIL.
       pool = concurrent.futures.ThreadPoolExecutor(1)
-      warm = None if not model.executor.one_jit else pool.submit(
+      warm = None if not model.executor.stateless else pool.submit(
           model.record_routing, np.zeros((FLAGS.batch, FLAGS.seq), np.int32), opts, False)
       sequences, total = [], 0
       for _, t in texts:  # only as much of the corpus as the replay reads

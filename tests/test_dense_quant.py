@@ -467,6 +467,6 @@ def test_dense_store_offloaded_equals_resident(dense_store):
   with glmjax.load(path, progress=False) as m:
     want, greedy = m.score(toks), m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens
   with glmjax.load(path, progress=False, device_cache_gb=0, host_cache_gb=0) as m:
-    assert not m.executor.one_jit and isinstance(m.engine.dense.layers[1].attn.kv_b, QArray)
+    assert not m.executor.stateless and isinstance(m.engine.dense.layers[1].attn.kv_b, QArray)
     np.testing.assert_array_equal(m.score(toks), want)
     assert m.generate([5, 6, 7, 8, 9, 10], 8, stop_ids=[]).tokens == greedy

@@ -9,6 +9,7 @@ max |logit| and their selections exactly.
 
 import concurrent.futures
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import glmjax
 from glmjax.errors import InputError
 from glmjax.model import attention, kvcache, weights
 from glmjax.model.config import Runtime
-from glmjax.model.forward import decode_fn, prefill_fn, score_fn
+from glmjax.model.forward import decode_fn, layer_step, prefill_fn, score_fn
 from hf_reference import hf_logits, make_hf, rel_err, tiny_config, tokens
 
 K = 8  # index_topk of the test model: sequences on both sides of it
@@ -199,8 +200,9 @@ def test_engine_prefills_layer_major_bitwise_across_budgets(embedded_store):
 
 def test_long_context_steps_stay_small_at_glm5_dims():
   """One decode step and one 2048-token prefill chunk at GLM-5's dims (one dense and one MoE
-  layer of int4 experts) over a 131,072-token cache, lowered and compiled but never run: the
-  compiled temporaries stay under 4 GB (a dense score array alone would be 68 GB)."""
+  layer of int4 experts) over a 131,072-token cache, each layer's step lowered and compiled but
+  never run: the compiled temporaries stay under 4 GB (a dense score array alone would be
+  68 GB)."""
   from glmjax.formats.store import ExpertLayout
   from glmjax.formats.synthetic import synthetic_config
   from glmjax.model.config import Config
@@ -218,11 +220,16 @@ def test_long_context_steps_stay_small_at_glm5_dims():
   cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, 1, 131072))
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   cpu = Runtime(kernel="cpu")
-  steps = {"decode": decode_fn.lower(w, cache, i32(1, 1), cfg=cfg, runtime=cpu),
-           "prefill": prefill_fn.lower(w, cache, i32(1, 2048), i32(), cfg=cfg, runtime=cpu)}
-  for name, lowered in steps.items():
-    temp = lowered.compile().memory_analysis().temp_size_in_bytes
-    assert temp < 4e9, (name, temp)
+  for name, width, n_valid, absorbed in (("decode", 1, None, True), ("prefill", 2048, i32(), None)):
+    x = jax.ShapeDtypeStruct((1, width, cfg.hidden_size), jnp.float32)
+    selection = None
+    for i, lw in enumerate(w.layers):  # each layer is its own step (`layer_step`)
+      args = (lw, x, cache.length, cache.layers[i], cache.pages, selection, n_valid, None)
+      lowered = layer_step.lower(*args, cfg=cfg, absorbed=absorbed, runtime=cpu)
+      temp = lowered.compile().memory_analysis().temp_size_in_bytes
+      assert temp < 4e9, (name, i, temp)
+      selection = jax.eval_shape(functools.partial(layer_step, cfg=cfg, runtime=cpu,
+                                                   absorbed=absorbed), *args)[2]
 
 
 def test_a_context_memory_cannot_hold_is_refused_before_allocating():

@@ -91,7 +91,7 @@ with glmjax.load(store, mesh=two, progress=False, device_cache_gb=3 * layers * c
   st = eng.stats
   out["tiered"] = {
       "bitwise": [bool(np.array_equal(x, t_logits)) for x in (first, again)],
-      "tokens": tokens, "offloaded": not t2.executor.one_jit,
+      "tokens": tokens, "offloaded": not t2.executor.stateless,
       "counts": [st["expert_pin_hits"], st["expert_host_hits"], st["expert_misses"],
                  st["experts_used"]],
       # per layer, per device: the experts in its pool's slots, and the device it sits on

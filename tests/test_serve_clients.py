@@ -388,7 +388,7 @@ def test_an_offloaded_server_under_four_streams_with_health_polled(embedded_stor
   shutil.copytree(embedded_store, store)
   model = glmjax.load(store, progress=False, max_context=64, device_cache_gb=0,
                       host_cache_gb=0.002)
-  assert not model.executor.one_jit
+  assert not model.executor.stateless
   prompts = ["def ", "for i in", "import os\n", "x = "]
   want = [model.generate(p, 6).text for p in prompts]
   app = create_app(model, max_batch=4, max_queue=4, warm_prefill=False)

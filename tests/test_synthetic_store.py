@@ -92,7 +92,7 @@ def test_loads_decodes_and_offload_matches(stores, model_a):
   # The same seed written again, run from disk through a small host cache: same greedy tokens.
   with glmjax.load(stores["a2"], progress=False, host_cache_gb=0.0001,
                    device_cache_gb=0) as m:
-    assert not m.executor.one_jit
+    assert not m.executor.stateless
     r = m.generate(PROMPT, 8, stop_ids=[])
   assert r.tokens == ref.tokens and r.stats["expert_misses"] > 0
 

@@ -264,16 +264,22 @@ def route_record(m: MoE, next_lw, x, flat, ids, cfg: Config, opts: RecordOptions
 route_record_step = jax.jit(route_record, static_argnames=("cfg", "opts"))
 
 
-def recording(experts: ExpertProvider, w: Weights, cfg: Config, out: list,
+def next_moe(w: Weights, layer: int):
+  """The weights of the layer after `layer` when it is a MoE layer (the pilot's), else None."""
+  nxt = w.layers[layer + 1] if layer + 1 < len(w.layers) else None
+  return nxt if nxt is not None and isinstance(nxt.mlp, MoE) else None
+
+
+def recording(experts: ExpertProvider, next_of: Callable, cfg: Config, out: list,
               opts: RecordOptions = RecordOptions(), jitted: bool = False) -> ExpertProvider:
-  """`experts`, appending each MoE layer's `route_record` to `out` as it goes by (inside a jit
-  the records are traced values: return them; `jitted=True` runs each record as its own jit,
-  for providers called between jitted steps)."""
+  """`experts`, appending each MoE layer's `route_record` to `out` as it goes by (`next_of(layer)`:
+  the next MoE layer's weights or None, as `next_moe`); inside a jit the records are traced
+  values: return them; `jitted=True` runs each record as its own jit, for providers called
+  between jitted steps."""
   record = route_record_step if jitted else route_record
 
   def provide(layer, m, chunks):
-    nxt = w.layers[layer + 1] if layer + 1 < len(w.layers) else None
-    nxt = nxt if nxt is not None and isinstance(nxt.mlp, MoE) else None
+    nxt = next_of(layer)
     recs = [record(m, nxt, r.x, r.flat, r.ids, cfg=cfg, opts=opts) for r in chunks]
     out.append(recs[0] if len(recs) == 1 else  # a layer-major prefill: one record per layer
                {k: jnp.concatenate([r[k] for r in recs]) for k in recs[0]})
@@ -419,40 +425,70 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None =
   return drive.steps.mtp_logits(w, m, chunk.x, cfg=cfg), chunk.x, new
 
 
-# --- jitted entry points -------------------------------------------------------------------
+# --- entry points of resident models -------------------------------------------------------
 
-# `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select different code, not
-# shapes.
+# A resident pass runs each decoder layer as one jitted `layer_step`: layers of one structure
+# and shape (dense or MoE, full or shared indexer) share its executable, so compile time does
+# not grow with depth (one jit over every layer compiled each layer anew: 3.7x at 24 tiny
+# layers against 4). `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select
+# different code, not shapes.
 
 def fresh_start():
   """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
   return jnp.zeros((), jnp.int32)
 
 
-def _resident(w: Weights, cfg: Config, runtime: Runtime, records: list,
-              record: RecordOptions | None) -> Drive:
-  """The resident drive, appending each MoE layer's routing record to `records` if `record`."""
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime", "record"),
+                   donate_argnames=("pool",))
+def layer_step(lw, x, start, pool, pages, selection, n_valid, next_lw, cfg: Config,
+               absorbed=None, runtime: Runtime = Runtime(), record: RecordOptions | None = None):
+  """One decoder layer of resident weights `lw` for `x` `[B, S, D]` at `start` (`_layer` with
+  the resident provider): its `pool` (donated; None without a cache) addressed by `pages`.
+  With `record`, a MoE layer's routing record (`next_lw`: the next MoE layer's weights, for the
+  pilot). Returns (x, the new pool, the DSA selection, the record or None)."""
+  records: list = []
   experts = resident_experts(runtime)
   if record is not None:
-    experts = recording(experts, w, cfg, records, record)
-  return Drive(experts, runtime=runtime)
+    experts = recording(experts, lambda _: next_lw, cfg, records, record)
+  chunk = Chunk(x, start, n_valid, selection)
+  kv = None if pool is None else PagedLayer(pool, pages)
+  new = _layer(0, lw, [chunk], cfg, kv, absorbed, Drive(experts, runtime=runtime), experts)
+  return chunk.x, new, chunk.selection, records[0] if records else None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "runtime"))
+def stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
+            n_valid=None, start=None, runtime: Runtime = Runtime(),
+            record: RecordOptions | None = None):
+  """`hidden_states` of resident weights, layer by layer through `layer_step`: (x `[B, S, D]`,
+  the new cache or None, each MoE layer's record when `record`). `start` (no cache): a run-time
+  int32, `fresh_start()` by default."""
+  x = JITTED.embed(w, tokens)  # [B, S, D]
+  start = (fresh_start() if start is None else start) if cache is None else cache.length
+  selection, pools, records = None, [], []
+  for i, lw in enumerate(w.layers):
+    x, pool, selection, rec = layer_step(
+        lw, x, start, None if cache is None else cache.layers[i],
+        None if cache is None else cache.pages, selection, n_valid,
+        next_moe(w, i) if record is not None else None,
+        cfg=cfg, absorbed=absorbed, runtime=runtime, record=record)
+    pools.append(pool)
+    if rec is not None:
+      records.append(rec)
+  return x, None if cache is None else KVCache(pools, cache.pages, cache.length), records
+
+
 def score_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime()):
   """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`)."""
-  return forward(w, tokens, cfg, start=start, drive=Drive(runtime=runtime))[0]
+  x, _, _ = stepped(w, tokens, cfg, start=start, runtime=runtime)
+  return JITTED.logits(w, x, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "opts"))
 def record_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime(),
               opts: RecordOptions = RecordOptions()):
-  """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits kept; `start`:
+  """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits; `start`:
   `fresh_start()`): per MoE layer (in order), `route_record`'s arrays stacked to
   `[L, B·S, ...]`."""
-  records: list = []
-  hidden_states(w, tokens, cfg, start=start, drive=_resident(w, cfg, runtime, records, opts))
-  return stack_records(records)
+  return stack_records(stepped(w, tokens, cfg, start=start, runtime=runtime, record=opts)[2])
 
 
 class StepOut(NamedTuple):
@@ -463,39 +499,47 @@ class StepOut(NamedTuple):
   records: dict | None = None  # `record_fn`'s routing records (padding rows included) if asked
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "record", "hidden"),
-                   donate_argnames=("cache",))
-def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
-               runtime: Runtime = Runtime(), record: RecordOptions | None = None,
-               hidden: str = "last"):
-  """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache: one
-  prefill chunk.
-
-  Returns a `StepOut` (`hidden="all"`: the hidden state at every position, the MTP head's
-  inputs; records when `record` is given). The head runs at the last real token only. Padding positions land beyond `length` and are
-  overwritten before any query can see them.
-  """
-  records: list = []
-  drive = _resident(w, cfg, runtime, records, record)
-  x, cache = hidden_states(w, tokens, cfg, cache, n_valid=n_valid, drive=drive)
+@functools.partial(jax.jit, static_argnames=("cfg", "hidden"))
+def _prefill_head(w: Weights, x, n_valid, length, cfg: Config, hidden: str):
+  """The head at a chunk's last real token: (logits `[B, V]`, hidden, the advanced length)."""
   last = n_valid - 1
   logits = logits_of(w, jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), cfg)  # [B, 1, V]
   x = x if hidden == "all" else jax.lax.dynamic_index_in_dim(x, last, axis=1, keepdims=False)
-  return StepOut(logits[:, 0], x, KVCache(cache.layers, cache.pages, cache.length + n_valid),
+  return logits[:, 0], x, length + n_valid
+
+
+def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
+               runtime: Runtime = Runtime(), record: RecordOptions | None = None,
+               hidden: str = "last"):
+  """Writes `tokens` `[B, S]` (right-padded; the first `n_valid` are real) into the cache (its
+  pools donated): one prefill chunk.
+
+  Returns a `StepOut` (`hidden="all"`: the hidden state at every position, the MTP head's
+  inputs; records when `record` is given). The head runs at the last real token only. Padding
+  positions land beyond `length` and are overwritten before any query can see them.
+  """
+  x, cache, records = stepped(w, tokens, cfg, cache, n_valid=n_valid, runtime=runtime,
+                              record=record)
+  logits, x, length = _prefill_head(w, x, n_valid, cache.length, cfg=cfg, hidden=hidden)
+  return StepOut(logits, x, KVCache(cache.layers, cache.pages, length),
                  stack_records(records) if record is not None else None)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "absorbed", "record"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _decode_head(w: Weights, x, length, cfg: Config):
+  """Logits `[B, S, V]` at every position and the length advanced by S."""
+  return logits_of(w, x, cfg), length + x.shape[1]
+
+
 def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, runtime: Runtime = Runtime(),
               absorbed: bool = True, record: RecordOptions | None = None, n_valid=None):
-  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts): a `StepOut` (records when `record` is
-  given). Batched decoding passes a cache with
-  per-row `length` `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
-  records: list = []
-  logits, x, cache = forward(w, tokens, cfg, cache, absorbed, n_valid,
-                             drive=_resident(w, cfg, runtime, records, record))
-  return StepOut(logits, x, KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1]),
+  """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts; the cache's pools donated): a `StepOut`
+  (records when `record` is given). Batched decoding passes a cache with per-row `length`
+  `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
+  x, cache, records = stepped(w, tokens, cfg, cache, absorbed, n_valid, runtime=runtime,
+                              record=record)
+  logits, length = _decode_head(w, x, cache.length, cfg=cfg)
+  return StepOut(logits, x, KVCache(cache.layers, cache.pages, length),
                  stack_records(records) if record is not None else None)
 
 

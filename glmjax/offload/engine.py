@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import weakref
 
@@ -44,7 +45,7 @@ from glmjax.errors import ExpertIOError, InputError
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config, Runtime
 from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, RecordOptions, Routing, forward,
-                                  layers, mtp_forward, recording)
+                                  layers, mtp_forward, next_moe, recording)
 from glmjax.model.moe import resolve_kernel
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
@@ -277,7 +278,8 @@ class OffloadEngine:
     """The layer steps' expert provider, recording each MoE layer's routing into `record`."""
     experts = self.provider.resident_terms if self.all_resident else self.provider.tiered
     if record is not None:
-      experts = recording(experts, self.dense, self.cfg, record, record_opts, jitted=True)
+      experts = recording(experts, functools.partial(next_moe, self.dense), self.cfg, record,
+                            record_opts, jitted=True)
     return experts
 
   def _routing(self, layer: int) -> Routing | None:

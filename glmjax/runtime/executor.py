@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from typing import Iterator, Protocol
 
@@ -45,7 +46,7 @@ class Executor(Protocol):
   expert_budget: int | None  # a verify pass's expert cap (offloaded stores; lossy) or None
   expert_bytes: int  # one routed expert's bytes in its store (0 without a store)
   dense_bytes: int | None  # the dense weights' bytes by the memory plan, when one was made
-  one_jit: bool  # each step is one jit compiled ahead (it may compile on another thread)
+  stateless: bool  # its steps keep no host state between calls: one may run on another thread
 
   def put(self, x, dtype=None, batch: bool = False) -> jax.Array:
     """A host input as a device array (replicated over a mesh; `batch` splits it on `data`)."""
@@ -80,7 +81,7 @@ class Executor(Protocol):
     `chunk_plan`), changing no counters; `cache` is one row over the null page. Returns it."""
 
   def compiled(self) -> list[str]:
-    """The steps compiled ahead so far, one entry (the step's name) per executable."""
+    """The step shapes met so far, one entry (the step's name) per shape and static choice."""
 
   def telemetry(self) -> dict | None: ...
   def tier_state(self) -> dict | None: ...
@@ -135,17 +136,18 @@ class Steps:
     return sharding.put(x, sharding.batch_split(self.mesh) if split else
                         sharding.replicated(self.mesh))
 
-  def _compile(self, fn, args: tuple, static: dict, dynamic: dict | None = None):
-    """`fn` compiled ahead (once per static arguments and argument shapes), so that a step's
-    timing leaves its compilation out; `dynamic` are keyword arrays of the call."""
+  def _met(self, fn, args: tuple, static: dict, dynamic: dict | None = None):
+    """`fn` with its `static` arguments, after noting them and the argument shapes
+    (`compiled`); a shape met for the first time compiles the layer programs it lacks when it
+    runs."""
     dynamic = dynamic or {}
-    leaves = jax.tree_util.tree_leaves((args, dynamic))
+    leaves = jax.tree_util.tree_leaves((args[1:], dynamic))  # the weights' shapes never change
     key = (fn, tuple(sorted(static.items())), tuple(sorted(dynamic)),
            tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._compiled:
       compile_cache.relieve_map_pressure()
-      self._compiled[key] = fn.lower(*args, **dynamic, **static).compile()
-    return self._compiled[key]
+      self._compiled[key] = fn
+    return functools.partial(fn, **static)
 
   def ids(self, x) -> jax.Array:
     """Token ids for the engine's prefill: committed to the device as `put`'s (a mesh takes
@@ -212,9 +214,10 @@ class Steps:
 
 
 class ResidentExecutor(Steps):
-  """Every step one jit over resident weights, compiled ahead once per shape."""
+  """Steps over resident weights, each decoder layer one jitted `layer_step` (identical layers
+  share its executable: compile time does not grow with depth)."""
 
-  one_jit = True
+  stateless = True
 
   def resident_weights(self, why: str):
     del why  # every weight is resident here
@@ -233,7 +236,7 @@ class ResidentExecutor(Steps):
       cache = self._at(cache, start + o)
       toks = self.put(np.pad(ids[o:o + n], (0, w - n))[None].astype(np.int32))
       args = (self.weights, cache, toks, self.put(n, jnp.int32))
-      fn = self._compile(prefill_fn, args, self._static(
+      fn = self._met(prefill_fn, args, self._static(
           record=record, hidden="all" if hidden else "last"))
       out = fn(*args)
       logits, x, cache = out.logits, out.hidden, out.cache
@@ -264,7 +267,7 @@ class ResidentExecutor(Steps):
     record = RecordOptions() if recorder is not None else None
     nv = {} if n_valid is None else {"n_valid": self.put(n_valid, jnp.int32)}
     args = (self.weights, cache, toks)
-    fn = self._compile(decode_fn, args, self._static(absorbed=absorbed, record=record), nv)
+    fn = self._met(decode_fn, args, self._static(absorbed=absorbed, record=record), nv)
     out = fn(*args, **nv)
     if recorder is not None:
       add_records(recorder, tokens, n_valid, out.records)
@@ -290,10 +293,11 @@ class ResidentExecutor(Steps):
     return self.step(cache, tokens, lengths, n_valid=np.zeros(len(tokens), np.int32))[2]
 
   def warm_prefill(self, cache, width):
-    cache = self._at(cache, 0)
-    args = (self.weights, cache, self.put(np.zeros((1, width), np.int32)), self.put(1, jnp.int32))
-    self._compile(prefill_fn, args, self._static(record=None, hidden="last"))  # as `prefill`
-    return cache
+    # one all-padding chunk (n_valid 0) through `prefill`'s step: it writes only past the
+    # length, on the null page
+    args = (self.weights, self._at(cache, 0), self.put(np.zeros((1, width), np.int32)),
+            self.put(0, jnp.int32))
+    return self._met(prefill_fn, args, self._static(record=None, hidden="last"))(*args).cache
 
 
 def add_records(recorder, tokens, n_valid, records) -> None:
@@ -306,8 +310,8 @@ def add_records(recorder, tokens, n_valid, records) -> None:
 def executor_for(cfg: Config, weights, options, mesh=None, engine=None,
                  dense_bytes: int | None = None) -> Steps:
   """The executor of a loaded model: the engine's layer steps while some routed experts live
-  outside the resident weights, else one jit per step (an all-resident engine stays for its
-  telemetry)."""
+  outside the resident weights, else the resident layer steps (an all-resident engine stays
+  for its telemetry)."""
   if engine is not None and not engine.all_resident:
     from glmjax.runtime.offloaded import OffloadExecutor
     return OffloadExecutor(cfg, weights, options, mesh, engine, dense_bytes)

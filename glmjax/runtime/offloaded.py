@@ -14,7 +14,7 @@ from glmjax.runtime.executor import Steps, add_records, chunk_plan
 class OffloadExecutor(Steps):
   """`Executor` over an `OffloadEngine` (`self.engine`)."""
 
-  one_jit = False  # the engine's layer steps, driven from this thread
+  stateless = False  # the engine's tiers change with every step, driven from this thread
 
   def prefill(self, cache, ids, start, hidden=False, recorder=None):
     plan = chunk_plan(len(ids), self.chunk)
