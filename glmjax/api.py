@@ -21,7 +21,7 @@ from glmjax.decoding.pages import KVLayout, KVPool
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
 from glmjax.model.config import Config
-from glmjax.model.forward import RecordOptions
+from glmjax.model.forward import RecordOptions, bucket
 from glmjax.model.weights import Weights
 from glmjax.options import Options
 from glmjax.runtime.executor import Executor, chunk_plan, executor_for
@@ -144,10 +144,15 @@ class Model:
     chunk = self.options.prefill_chunk
     if chunk and arr.shape[1] > chunk:
       return self._score_cached(arr, tgt, top_k)
-    logits = self.executor.score(arr)
+    # Right-padded to a power of two, so sequences of many lengths share a few compiled shapes:
+    # causal attention keeps padding out of every real position, and padding routes no expert.
+    s = arr.shape[1]
+    pad = ((0, 0), (0, max(s, min(bucket(s), self.max_context)) - s))
+    logits = self.executor.score(np.pad(arr, pad), s)
     if tgt is not None:
-      return jax.tree.map(np.asarray, _target_logprobs(logits, jnp.asarray(tgt), top_k))
-    return np.asarray(logits, np.float32)
+      out = _target_logprobs(logits, jnp.asarray(np.pad(tgt, pad)), top_k)
+      return jax.tree.map(lambda a: np.asarray(a)[:, :s], out)
+    return np.asarray(logits, np.float32)[:, :s]
 
   def _score_cached(self, arr: np.ndarray, tgt, top_k: int = 0):
     """`score` through the KV cache: each row its pages, chunk by chunk."""

@@ -7,9 +7,10 @@ float experts, alternating full and shared indexers), the resident `prefill_fn` 
 --prefill_tokens chunk) and `decode_fn` (one token) over a --capacity-position cache run once
 on random weights, the persistent cache off and the in-memory caches cleared before each of
 --repeats rounds: the seconds JAX spends tracing, lowering and compiling (`CompileClock`) and
-the first call's wall time. Reports medians and each depth's ratio to the first, for the
-executor's layer steps (each decoder layer one jitted `layer_step`: identical layers compile
-once, DESIGN.md §4) and, side by side, for the same steps inside one outer jit.
+the first call's wall time. Reports medians and each depth's ratio to the first, side by side
+for the layer steps (each decoder layer one jitted `layer_step`: identical layers compile once,
+DESIGN.md §4), the same steps inlined into one program, and what the executor picks for the
+depth (`forward.entry_points`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from glmjax.bench.reporting import write_report
 from glmjax.formats.synthetic import DENSE_LAYERS, synthetic_config
 from glmjax.model import kvcache, weights
 from glmjax.model.config import Config
-from glmjax.model.forward import decode_fn, prefill_fn
+from glmjax.model.forward import LAYER_STEPS, ONE_PROGRAM, entry_points
 from glmjax.runtime.clock import CompileClock
 
 FLAGS = flags.FLAGS
@@ -44,20 +45,13 @@ def model_at(layers: int):
   return cfg, weights.init(cfg, with_mtp=False)
 
 
-# The same steps inside one outer jit: the nested layer steps are inlined into one program that
-# compiles every layer anew (the resident executor's steps before DESIGN.md §4's layer steps).
-ONE_JIT = {"prefill": jax.jit(prefill_fn, static_argnames=("cfg",), donate_argnames=("cache",)),
-           "decode": jax.jit(decode_fn, static_argnames=("cfg",), donate_argnames=("cache",))}
-LAYERED = {"prefill": prefill_fn, "decode": decode_fn}
-
-
 def first_steps(cfg: Config, w, fns: dict) -> dict:
   """Compile seconds and first-call wall seconds of one prefill chunk and one decode step
-  through `fns` (LAYERED or ONE_JIT)."""
+  through `fns` (`forward.LAYER_STEPS` or `forward.ONE_PROGRAM`)."""
   cache = kvcache.init_cache(cfg, 1, FLAGS.capacity)
   toks = np.arange(FLAGS.prefill_tokens, dtype=np.int32)[None] % cfg.vocab_size
-  steps = {"prefill": lambda c: fns["prefill"](w, c, jnp.asarray(toks),
-                                               jnp.int32(len(toks[0])), cfg=cfg),
+  steps = {"prefill": lambda c: fns["prefill"](w, c, jnp.asarray(toks), jnp.int32(len(toks[0])),
+                                               cfg=cfg),
            "decode": lambda c: fns["decode"](w, c, jnp.asarray(toks[:, :1]), cfg=cfg)}
   out = {}
   for name, step in steps.items():
@@ -76,13 +70,14 @@ def main(argv):
   if min(depths) <= DENSE_LAYERS:
     raise app.UsageError(f"--layers must exceed the geometry's {DENSE_LAYERS} dense layers")
   models = {d: model_at(d) for d in depths}
-  modes = {"layer_steps": LAYERED, "one_jit": ONE_JIT}
+  modes = {"layer_steps": lambda w: LAYER_STEPS, "one_program": lambda w: ONE_PROGRAM,
+           "executor": entry_points}  # the executor's pick for the depth
   rounds = {(m, d): [] for m in modes for d in depths}
   for _ in range(FLAGS.repeats):
     for d in depths:  # interleaved, so drift in the machine's load hits every depth alike
-      for mode, fns in modes.items():
+      for mode, pick in modes.items():
         jax.clear_caches()
-        rounds[mode, d].append(first_steps(*models[d], fns))
+        rounds[mode, d].append(first_steps(*models[d], pick(models[d][1])))
   report = {"date": datetime.date.today().isoformat(), "geometry": "tiny",
             "prefill_tokens": FLAGS.prefill_tokens, "capacity": FLAGS.capacity,
             "repeats": FLAGS.repeats}

@@ -181,11 +181,14 @@ def test_map_pressure_that_clearing_cannot_relieve_is_an_error(monkeypatch):
 
 
 def test_a_session_compiles_few_steps_and_a_repeat_none():
-  """Buckets bound the shapes a user meets (prefill lengths: powers of two). A scripted session
-  (a 300-token prompt, generate, two chat turns, score) compiles at most 8 steps ahead; prompts
-  of every length from 33 to 64 add at most one prefill (one bucket) and no decode; the same
-  session again compiles nothing. (A pool that grows changes every step's shapes: the long
-  prompt comes first, and the chat gives its pages back.)"""
+  """Buckets bound the shapes a user meets (prefill and score lengths: powers of two). A
+  scripted session (a 300-token prompt, generate, two chat turns, score) meets at most 8 step
+  shapes; prompts of every length from 33 to 64 add at most one prefill (one bucket) and no
+  decode; scores of every length from 17 to 32 compile at most 4 XLA programs (one bucket: the
+  score and its log-softmax; one per length before); the same session again compiles nothing.
+  (A pool that grows changes every step's shapes: the long prompt comes first, and the chat
+  gives its pages back.)"""
+  from glmjax.runtime import compile_cache
   with glmjax.load(progress=False) as m:
     def session():
       m.generate(list(range(7, 307)), max_new_tokens=4)
@@ -202,5 +205,12 @@ def test_a_session_compiles_few_steps_and_a_repeat_none():
       m.generate(list(range(7, 7 + n)), max_new_tokens=1)
     grown = m.executor.compiled()
     assert len(grown) <= len(first) + 1 and grown.count("decode_fn") == 1, grown
+    before = compile_cache.compilations()
+    for n in range(17, 33):
+      ids = np.arange(7, 7 + n)[None]
+      m.score(ids, ids, top_k=2)
+    assert compile_cache.compilations() - before <= 4
+    before = compile_cache.compilations()
     session()
     assert m.executor.compiled() == grown
+    assert compile_cache.compilations() == before

@@ -20,7 +20,7 @@ import glmjax
 from glmjax.errors import InputError
 from glmjax.model import attention, kvcache, weights
 from glmjax.model.config import Runtime
-from glmjax.model.forward import decode_fn, layer_step, prefill_fn, score_fn
+from glmjax.model.forward import Chunk, decode_fn, layer_step, prefill_fn, score_fn
 from hf_reference import hf_logits, make_hf, rel_err, tiny_config, tokens
 
 K = 8  # index_topk of the test model: sequences on both sides of it
@@ -223,13 +223,13 @@ def test_long_context_steps_stay_small_at_glm5_dims():
   for name, width, n_valid, absorbed in (("decode", 1, None, True), ("prefill", 2048, i32(), None)):
     x = jax.ShapeDtypeStruct((1, width, cfg.hidden_size), jnp.float32)
     selection = None
-    for i, lw in enumerate(w.layers):  # each layer is its own step (`layer_step`)
-      args = (lw, x, cache.length, cache.layers[i], cache.pages, selection, n_valid, None)
+    for i, lw in enumerate(w.layers):  # each layer its own step (`layer_step`)
+      args = (lw, Chunk(x, cache.length, n_valid, selection, cache.pages), cache.layers[i], None)
       lowered = layer_step.lower(*args, cfg=cfg, absorbed=absorbed, runtime=cpu)
       temp = lowered.compile().memory_analysis().temp_size_in_bytes
       assert temp < 4e9, (name, i, temp)
       selection = jax.eval_shape(functools.partial(layer_step, cfg=cfg, runtime=cpu,
-                                                   absorbed=absorbed), *args)[2]
+                                                   absorbed=absorbed), *args)[0].selection
 
 
 def test_a_context_memory_cannot_hold_is_refused_before_allocating():

@@ -8,7 +8,6 @@ import dataclasses
 
 import numpy as np
 
-from glmjax.model.forward import bucket
 
 MAX_LOGPROBS = 20  # alternatives per position at most (vLLM's default --max-logprobs)
 
@@ -39,14 +38,8 @@ def prompt_logprobs(model, ids: np.ndarray, k: int) -> list:
   ids = np.asarray(ids, np.int32)
   out: list = [(int(ids[0]), None)]
   if len(ids) > 1:
-    # Padded at the end to a bucket, so prompts of many lengths share a few compiled shapes;
-    # causal attention keeps the padding out of every real position's score.
-    n = len(ids) - 1
-    width = max(n, min(bucket(n, 16), model.max_context))
-    tokens = np.zeros((1, width), np.int32)
-    targets = np.zeros((1, width), np.int32)
-    tokens[0, :n], targets[0, :n] = ids[:-1], ids[1:]
-    lp, top_ids, top_lp = model.score(tokens, targets, top_k=max(k, 1))
+    # (`model.score` pads to a power of two: prompts of many lengths share a few shapes)
+    lp, top_ids, top_lp = model.score(ids[None, :-1], ids[None, 1:], top_k=max(k, 1))
     out += [(int(t), TokenLogprob(float(lp[0, i]), tuple(int(x) for x in top_ids[0, i, :k]),
                                   tuple(float(x) for x in top_lp[0, i, :k])))
             for i, t in enumerate(ids[1:])]

@@ -301,15 +301,18 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   return moe_finish(m, jnp.zeros(x.shape, F32), flat, ys, w)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Chunk:
   """A piece of the token sequence going through the layers: its hidden states `[B, S, D]`,
-  first position (int32 `[]`, or `[B]` per row), real positions (`n_valid`, None: all) and
-  the selection the last full indexer layer made for it."""
+  first position (int32 `[]`, or `[B]` per row), real positions (`n_valid`, None: all), the
+  selection the last full indexer layer made for it and, for `layer_step`, the page table
+  `[B, W]` its rows' keys live in (None without a cache)."""
   x: Any
   start: Any
   n_valid: Any = None
   selection: Any = None
+  pages: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,9 +432,9 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None =
 
 # A resident pass runs each decoder layer as one jitted `layer_step`: layers of one structure
 # and shape (dense or MoE, full or shared indexer) share its executable, so compile time does
-# not grow with depth (one jit over every layer compiled each layer anew: 3.7x at 24 tiny
-# layers against 4). `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select
-# different code, not shapes.
+# not grow with depth. A shallow model runs them inlined into one program (`entry_points`).
+# `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select different code,
+# not shapes.
 
 def fresh_start():
   """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
@@ -440,46 +443,46 @@ def fresh_start():
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime", "record"),
                    donate_argnames=("pool",))
-def layer_step(lw, x, start, pool, pages, selection, n_valid, next_lw, cfg: Config,
-               absorbed=None, runtime: Runtime = Runtime(), record: RecordOptions | None = None):
-  """One decoder layer of resident weights `lw` for `x` `[B, S, D]` at `start` (`_layer` with
-  the resident provider): its `pool` (donated; None without a cache) addressed by `pages`.
-  With `record`, a MoE layer's routing record (`next_lw`: the next MoE layer's weights, for the
-  pilot). Returns (x, the new pool, the DSA selection, the record or None)."""
+def layer_step(lw, chunk: Chunk, pool, next_lw, cfg: Config, absorbed=None,
+               runtime: Runtime = Runtime(), record: RecordOptions | None = None):
+  """One decoder layer of resident weights `lw` for the `chunk` (`_layer` with the resident
+  provider): its `pool` (donated; None without a cache) addressed by the chunk's pages. With
+  `record`, a MoE layer's routing record (`next_lw`: the next MoE layer's weights, for the
+  pilot). Returns (the chunk after the layer, the new pool, the record or None)."""
   records: list = []
   experts = resident_experts(runtime)
   if record is not None:
     experts = recording(experts, lambda _: next_lw, cfg, records, record)
-  chunk = Chunk(x, start, n_valid, selection)
-  kv = None if pool is None else PagedLayer(pool, pages)
+  kv = None if pool is None else PagedLayer(pool, chunk.pages)
+  chunk = dataclasses.replace(chunk)  # `_layer` updates it in place
   new = _layer(0, lw, [chunk], cfg, kv, absorbed, Drive(experts, runtime=runtime), experts)
-  return chunk.x, new, chunk.selection, records[0] if records else None
+  return chunk, new, records[0] if records else None
 
 
-def stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
-            n_valid=None, start=None, runtime: Runtime = Runtime(),
-            record: RecordOptions | None = None):
+def _stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
+             n_valid=None, start=None, runtime: Runtime = Runtime(),
+             record: RecordOptions | None = None):
   """`hidden_states` of resident weights, layer by layer through `layer_step`: (x `[B, S, D]`,
   the new cache or None, each MoE layer's record when `record`). `start` (no cache): a run-time
   int32, `fresh_start()` by default."""
-  x = JITTED.embed(w, tokens)  # [B, S, D]
   start = (fresh_start() if start is None else start) if cache is None else cache.length
-  selection, pools, records = None, [], []
+  chunk = Chunk(JITTED.embed(w, tokens), start, n_valid,  # [B, S, D]
+                pages=None if cache is None else cache.pages)
+  pools, records = [], []
   for i, lw in enumerate(w.layers):
-    x, pool, selection, rec = layer_step(
-        lw, x, start, None if cache is None else cache.layers[i],
-        None if cache is None else cache.pages, selection, n_valid,
-        next_moe(w, i) if record is not None else None,
-        cfg=cfg, absorbed=absorbed, runtime=runtime, record=record)
+    chunk, pool, rec = layer_step(lw, chunk, None if cache is None else cache.layers[i],
+                                  next_moe(w, i) if record is not None else None, cfg=cfg,
+                                  absorbed=absorbed, runtime=runtime, record=record)
     pools.append(pool)
     if rec is not None:
       records.append(rec)
-  return x, None if cache is None else KVCache(pools, cache.pages, cache.length), records
+  return chunk.x, None if cache is None else KVCache(pools, cache.pages, cache.length), records
 
 
-def score_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime()):
-  """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`)."""
-  x, _, _ = stepped(w, tokens, cfg, start=start, runtime=runtime)
+def score_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime(), n_valid=None):
+  """Teacher-forced logits `[B, S, V]` of a whole sequence, no cache (`start`: `fresh_start()`;
+  positions at or past `n_valid` are padding: they route no expert)."""
+  x, _, _ = _stepped(w, tokens, cfg, n_valid=n_valid, start=start, runtime=runtime)
   return JITTED.logits(w, x, cfg=cfg)
 
 
@@ -488,7 +491,7 @@ def record_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime
   """Teacher-forced routing records of `tokens` `[B, S]` (no cache, no logits; `start`:
   `fresh_start()`): per MoE layer (in order), `route_record`'s arrays stacked to
   `[L, B·S, ...]`."""
-  return stack_records(stepped(w, tokens, cfg, start=start, runtime=runtime, record=opts)[2])
+  return stack_records(_stepped(w, tokens, cfg, start=start, runtime=runtime, record=opts)[2])
 
 
 class StepOut(NamedTuple):
@@ -518,7 +521,7 @@ def prefill_fn(w: Weights, cache: KVCache, tokens, n_valid, cfg: Config,
   inputs; records when `record` is given). The head runs at the last real token only. Padding
   positions land beyond `length` and are overwritten before any query can see them.
   """
-  x, cache, records = stepped(w, tokens, cfg, cache, n_valid=n_valid, runtime=runtime,
+  x, cache, records = _stepped(w, tokens, cfg, cache, n_valid=n_valid, runtime=runtime,
                               record=record)
   logits, x, length = _prefill_head(w, x, n_valid, cache.length, cfg=cfg, hidden=hidden)
   return StepOut(logits, x, KVCache(cache.layers, cache.pages, length),
@@ -536,11 +539,40 @@ def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, runtime: Runtime 
   """Steps `tokens` `[B, S]` (S = 1, or 1 + drafts; the cache's pools donated): a `StepOut`
   (records when `record` is given). Batched decoding passes a cache with per-row `length`
   `[B]` and `n_valid` `[B]` (0 for an empty row: it routes no experts)."""
-  x, cache, records = stepped(w, tokens, cfg, cache, absorbed, n_valid, runtime=runtime,
+  x, cache, records = _stepped(w, tokens, cfg, cache, absorbed, n_valid, runtime=runtime,
                               record=record)
   logits, length = _decode_head(w, x, cache.length, cfg=cfg)
   return StepOut(logits, x, KVCache(cache.layers, cache.pages, length),
                  stack_records(records) if record is not None else None)
+
+
+def distinct_layers(w: Weights) -> int:
+  """How many different `layer_step` executables `w`'s decoder layers need (per shape)."""
+  kind = lambda lw: (jax.tree_util.tree_structure(lw),
+                     tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(lw)))
+  return len({kind(lw) for lw in w.layers})
+
+
+# The entry points as one program each, the layer steps inlined. Tiny geometry, CPU: a layer
+# step compiled alone costs 0.56-0.79 s (a program's common part ~0.45 s), one more layer inside
+# a program ~0.1-0.3 s; one program compiles faster up to ~3 layers per distinct layer
+# (DESIGN.md §4).
+ONE_PROGRAM_LAYERS_PER_KIND = 3
+ONE_PROGRAM = {
+    "prefill": jax.jit(prefill_fn, static_argnames=("cfg", "runtime", "record", "hidden"),
+                       donate_argnames=("cache",)),
+    "decode": jax.jit(decode_fn, static_argnames=("cfg", "runtime", "absorbed", "record"),
+                      donate_argnames=("cache",)),
+    "score": jax.jit(score_fn, static_argnames=("cfg", "runtime")),
+    "record": jax.jit(record_fn, static_argnames=("cfg", "runtime", "opts"))}
+LAYER_STEPS = {"prefill": prefill_fn, "decode": decode_fn, "score": score_fn, "record": record_fn}
+
+
+def entry_points(w: Weights) -> dict:
+  """The resident entry points that compile fastest for `w`'s depth: `ONE_PROGRAM` for at most
+  ONE_PROGRAM_LAYERS_PER_KIND layers per distinct layer, else `LAYER_STEPS`."""
+  shallow = len(w.layers) <= ONE_PROGRAM_LAYERS_PER_KIND * distinct_layers(w)
+  return ONE_PROGRAM if shallow else LAYER_STEPS
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "runtime"), donate_argnames=("cache",))

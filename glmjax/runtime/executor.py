@@ -16,8 +16,7 @@ from tqdm import tqdm
 
 from glmjax.model.config import Config, Runtime
 from glmjax.runtime import compile_cache
-from glmjax.model.forward import (KVCache, RecordOptions, bucket, decode_fn, mtp_fn, prefill_fn,
-                                  record_fn, score_fn)
+from glmjax.model.forward import KVCache, RecordOptions, bucket, entry_points, mtp_fn
 
 MIN_BUCKET = 1  # a prefill is padded to the next power of two (DESIGN.md §4: padding a 4-token
 # prompt to 16 rows made its attention 4x the work)
@@ -67,8 +66,9 @@ class Executor(Protocol):
   def mtp(self, h, next_tokens, cache: KVCache, start: int):
     """MTP step(s) at start..: (logits, block output, the MTP cache)."""
 
-  def score(self, arr: np.ndarray):
-    """Teacher-forced logits `[B, S, V]` of `arr` `[B, S]` in one pass (every row)."""
+  def score(self, arr: np.ndarray, n_valid: int):
+    """Teacher-forced logits `[B, S, V]` of `arr` `[B, S]` in one pass (every row; positions
+    at or past `n_valid` are padding, which routes no expert)."""
 
   def record(self, arr: np.ndarray, opts: RecordOptions, fetch: bool = True) -> dict:
     """Teacher-forced routing records of `arr` `[B, S]` (`forward.route_record`)."""
@@ -214,17 +214,23 @@ class Steps:
 
 
 class ResidentExecutor(Steps):
-  """Steps over resident weights, each decoder layer one jitted `layer_step` (identical layers
-  share its executable: compile time does not grow with depth)."""
+  """Steps over resident weights: each decoder layer one jitted `layer_step` (identical layers
+  share its executable: compile time does not grow with depth), inlined into one program per
+  step for a shallow model (`forward.entry_points`)."""
 
   stateless = True
+
+  @functools.cached_property
+  def fns(self) -> dict:
+    """The prefill, decode, score and record entry points for this model's depth."""
+    return entry_points(self.weights)
+
+  def _static(self, **kw) -> dict:
+    return dict(cfg=self.cfg, runtime=self.runtime, **kw)
 
   def resident_weights(self, why: str):
     del why  # every weight is resident here
     return self.weights
-
-  def _static(self, **kw) -> dict:
-    return dict(cfg=self.cfg, runtime=self.runtime, **kw)
 
   def prefill(self, cache, ids, start, hidden=False, recorder=None):
     plan = chunk_plan(len(ids), self.chunk)
@@ -236,7 +242,7 @@ class ResidentExecutor(Steps):
       cache = self._at(cache, start + o)
       toks = self.put(np.pad(ids[o:o + n], (0, w - n))[None].astype(np.int32))
       args = (self.weights, cache, toks, self.put(n, jnp.int32))
-      fn = self._met(prefill_fn, args, self._static(
+      fn = self._met(self.fns["prefill"], args, self._static(
           record=record, hidden="all" if hidden else "last"))
       out = fn(*args)
       logits, x, cache = out.logits, out.hidden, out.cache
@@ -267,7 +273,7 @@ class ResidentExecutor(Steps):
     record = RecordOptions() if recorder is not None else None
     nv = {} if n_valid is None else {"n_valid": self.put(n_valid, jnp.int32)}
     args = (self.weights, cache, toks)
-    fn = self._met(decode_fn, args, self._static(absorbed=absorbed, record=record), nv)
+    fn = self._met(self.fns["decode"], args, self._static(absorbed=absorbed, record=record), nv)
     out = fn(*args, **nv)
     if recorder is not None:
       add_records(recorder, tokens, n_valid, out.records)
@@ -277,16 +283,17 @@ class ResidentExecutor(Steps):
     return mtp_fn(self.weights, h, next_tokens, cache, self.put(start, jnp.int32),
                   **self._static())
 
-  def score(self, arr):
-    logits = score_fn(self.weights, self.put(arr, batch=True), self.put(0, jnp.int32),
-                      **self._static())
+  def score(self, arr, n_valid):
+    logits = self.fns["score"](self.weights, self.put(arr, batch=True), self.put(0, jnp.int32),
+                      n_valid=self.put(n_valid, jnp.int32), **self._static())
     if self.mesh is not None:  # every process gets every row (a data-split batch is gathered)
       from glmjax import sharding
       logits = sharding.gather(logits, self.mesh)
     return logits
 
   def record(self, arr, opts, fetch=True):
-    out = record_fn(self.weights, self.put(arr), self.put(0, jnp.int32), **self._static(opts=opts))
+    out = self.fns["record"](self.weights, self.put(arr), self.put(0, jnp.int32),
+                             **self._static(opts=opts))
     return {k: np.asarray(v) for k, v in out.items()} if fetch else out
 
   def warm_batch(self, cache, tokens, lengths):
@@ -297,7 +304,8 @@ class ResidentExecutor(Steps):
     # length, on the null page
     args = (self.weights, self._at(cache, 0), self.put(np.zeros((1, width), np.int32)),
             self.put(0, jnp.int32))
-    return self._met(prefill_fn, args, self._static(record=None, hidden="last"))(*args).cache
+    fn = self._met(self.fns["prefill"], args, self._static(record=None, hidden="last"))
+    return fn(*args).cache
 
 
 def add_records(recorder, tokens, n_valid, records) -> None:

@@ -52,8 +52,8 @@ class OffloadExecutor(Steps):
   def mtp(self, h, next_tokens, cache, start):
     return self.engine.mtp_forward(h, next_tokens, cache, start)
 
-  def score(self, arr):
-    return self.engine.forward(arr)[0]
+  def score(self, arr, n_valid):
+    return self.engine.forward(arr, n_valid=n_valid)[0]
 
   def record(self, arr, opts, fetch=True):
     rec: list = []

@@ -1,0 +1,92 @@
+"""Resident steps: each decoder layer one jitted `layer_step` that identical layers share, or the
+same steps inlined into one program for a shallow model (`forward.entry_points`). Both give the
+bits of the one forward pass in one jit, and a deep stack compiles one step per distinct layer."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glmjax.formats.synthetic import DENSE_LAYERS, synthetic_config
+from glmjax.model import forward, kvcache, weights
+from glmjax.model.config import Config
+
+DEPTH = 12  # total layers: past three per distinct layer (3 here), so the executor steps them
+PROMPT = 13  # tokens of the prefill chunk (odd: a width no other test compiles)
+
+
+@functools.cache
+def _model():
+  cfg = Config.from_dict(synthetic_config("tiny", moe_layers=DEPTH - DENSE_LAYERS, mtp=False))
+  return cfg, weights.init(cfg, seed=3, with_mtp=False)
+
+
+def _whole(cfg, w, tokens):
+  """The reference: the one forward pass (pure pieces) in one jit over every layer, with no
+  layer step anywhere: prefill logits at the last token, then two greedy decode steps."""
+  def step(w, cache, tokens, absorbed):  # the head at the last token only, as prefill_fn's
+    _, x, cache = forward.forward(w, tokens, cfg, cache, absorbed)
+    return forward.logits_of(w, x[:, -1:], cfg), cache
+  # absorbed: by cost as prefill_fn's, then True as decode_fn's
+  run = jax.jit(step, static_argnums=3)
+  cache = kvcache.init_cache(cfg, 1, 64)
+  logits, cache = run(w, cache, tokens, None)
+  cache = kvcache.KVCache(cache.layers, cache.pages, cache.length + tokens.shape[1])
+  out = [np.asarray(logits[0, -1])]
+  for _ in range(2):
+    tok = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+    logits, cache = run(w, cache, tok, True)
+    cache = kvcache.KVCache(cache.layers, cache.pages, cache.length + 1)
+    out.append(np.asarray(logits[0, -1]))
+  return out
+
+
+def _entry(cfg, w, tokens, fns):
+  """The same through the resident entry points `fns` (`prefill`, then `decode`)."""
+  cache = kvcache.init_cache(cfg, 1, 64)
+  step = fns["prefill"](w, cache, tokens, jnp.int32(tokens.shape[1]), cfg=cfg)
+  out, logits = [np.asarray(step.logits[0])], step.logits[:, None]
+  cache = step.cache
+  for _ in range(2):
+    tok = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+    step = fns["decode"](w, cache, tok, cfg=cfg)
+    cache, logits = step.cache, step.logits
+    out.append(np.asarray(logits[0, -1]))
+  return out
+
+
+def test_layer_steps_and_one_program_give_the_whole_jits_bits():
+  cfg, w = _model()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(5, cfg.vocab_size, (1, PROMPT)),
+                       jnp.int32)
+  want = _whole(cfg, w, tokens)
+  for fns in (forward.LAYER_STEPS, forward.ONE_PROGRAM):
+    for got, ref in zip(_entry(cfg, w, tokens, fns), want):
+      np.testing.assert_array_equal(got, ref)
+
+
+def test_a_deep_stack_compiles_one_step_per_distinct_layer():
+  cfg, w = _model()
+  kinds = forward.distinct_layers(w)
+  assert kinds == 3 and len(w.layers) == DEPTH  # dense + full, MoE + full, MoE + shared
+  assert forward.entry_points(w) is forward.LAYER_STEPS
+  before = forward.layer_step._cache_size()
+  cache = kvcache.init_cache(cfg, 1, 64)
+  tokens = jnp.zeros((1, PROMPT + 2), jnp.int32)  # a width of its own
+  forward.prefill_fn(w, cache, tokens, jnp.int32(PROMPT), cfg=cfg)
+  assert forward.layer_step._cache_size() - before == kinds
+
+
+def test_the_executor_keeps_a_shallow_model_in_one_program():
+  """The rule against its statement: one program up to three layers per distinct layer."""
+  for layers in (4, 9, 10, 24):
+    cfg = Config.from_dict(synthetic_config("tiny", moe_layers=layers - DENSE_LAYERS, mtp=False))
+    w = weights.abstract(cfg, jnp.float32, with_mtp=False)
+    w = weights.map_infos(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), w)
+    kinds = forward.distinct_layers(w)
+    want = forward.ONE_PROGRAM if layers <= 3 * kinds else forward.LAYER_STEPS
+    assert forward.entry_points(w) is want, layers
+  assert forward.entry_points(_model()[1]) is forward.LAYER_STEPS
