@@ -122,8 +122,9 @@ def main(argv):
 
   sweep = []
   if FLAGS.sweep:
-    def scores(w):  # whole sequences in one jit, no cache: the same path for every variant
-      return [log_softmax(np.asarray(forward.score_fn(w, i, forward.fresh_start(), cfg=cfg)[0]))
+    def scores(w):  # whole sequences, no cache: the same path for every variant
+      score = forward.entry_points(w)["score"]
+      return [log_softmax(np.asarray(score(w, i, forward.fresh_start(), cfg=cfg)[0]))
               for i in ids]
 
     ref_float = scores(w_float)

@@ -95,7 +95,7 @@ def test_offloaded_batch_is_compiled_ahead_and_gives_solo_tokens(embedded_store,
     finally:
       jax.config.update("jax_log_compiles", False)
     compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
-    assert not [c for c in compiled if "attn_route" in c or "fused_forward" in c], compiled
+    assert not [c for c in compiled if "attn_route" in c or "fused_" in c], compiled
     assert [r.out for r in reqs] == solo
     assert eng.telemetry()["experts_used"] > before[0]["experts_used"]  # really offloaded
 

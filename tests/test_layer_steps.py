@@ -90,3 +90,32 @@ def test_the_executor_keeps_a_shallow_model_in_one_program():
     want = forward.ONE_PROGRAM if layers <= 3 * kinds else forward.LAYER_STEPS
     assert forward.entry_points(w) is want, layers
   assert forward.entry_points(_model()[1]) is forward.LAYER_STEPS
+
+
+def test_a_deep_stores_fused_step_runs_layer_by_layer_with_the_layer_paths_bits(tmp_path):
+  """A fully cached store as deep as `_model`'s: its fused step runs a jitted `fused_layer` per
+  layer (one executable per distinct layer) and gives the bits of the engine's layer steps."""
+  import glmjax
+  from glmjax.formats import synthetic
+  from glmjax.offload.fused import fused_layer
+  path = str(tmp_path / "deep")
+  synthetic.make_synthetic_store(path, geometry="tiny", moe_layers=DEPTH - DENSE_LAYERS,
+                                 experts=8, mtp=False, progress=False)
+  prompt = list(range(5, 5 + PROMPT))
+  runs = {}
+  for fused in (True, False):
+    with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0,
+                     host_cache_gb=1.0) as m:
+      eng = m.engine
+      eng.fused_step.enabled = fused
+      eng.warm_host()
+      assert eng.tiers.all_cached(eng.moe_layers) and not eng.fused_step.one_program
+      before = fused_layer._cache_size()
+      out = m.generate(prompt, 6, stop_ids=[]).tokens
+      logits = m.score([prompt])
+      runs[fused] = (out, logits, eng.telemetry().get("fused_steps", 0),
+                     fused_layer._cache_size() - before)
+  assert runs[True][2] > 0 and runs[False][2] == 0
+  assert runs[True][0] == runs[False][0]
+  np.testing.assert_array_equal(runs[True][1], runs[False][1])
+  assert 0 < runs[True][3] <= 3 * 4  # distinct layers x (prefill, decode, score widths)

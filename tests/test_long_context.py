@@ -20,7 +20,7 @@ import glmjax
 from glmjax.errors import InputError
 from glmjax.model import attention, kvcache, weights
 from glmjax.model.config import Runtime
-from glmjax.model.forward import Chunk, decode_fn, layer_step, prefill_fn, score_fn
+from glmjax.model.forward import Chunk, entry_points, layer_step
 from hf_reference import hf_logits, make_hf, rel_err, tiny_config, tokens
 
 K = 8  # index_topk of the test model: sequences on both sides of it
@@ -48,7 +48,8 @@ def _toks(seed, b, s):
 @pytest.mark.parametrize("s", [5, K, K + 1, 40])
 def test_sparse_equals_dense_without_a_cache(w, s):
   toks = _toks(s, 2, s)
-  run = lambda impl: np.asarray(score_fn(w, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
+  score = entry_points(w)["score"]  # as the executor runs it
+  run = lambda impl: np.asarray(score(w, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
   assert rel_err(run("sparse"), run("dense")) <= TOL
   # The selections themselves, layer 0 (full) on the embedded tokens: identical, ordered.
   x = w.embed[toks].astype(jnp.float32)
@@ -65,12 +66,15 @@ def test_sparse_equals_dense_through_the_cache(w):
   """A 6-token prefill, then 40 decode steps crossing index_topk: every step's logits."""
   toks = _toks(1, 1, 46)
 
+  fns = entry_points(w)  # as the executor runs them
+
   def run(impl):
     cache = kvcache.init_cache(CFG, 1, 64)
-    logits, _, cache, _ = prefill_fn(w, cache, toks[:, :6], jnp.int32(6), cfg=CFG, runtime=RT[impl])
+    logits, _, cache, _ = fns["prefill"](w, cache, toks[:, :6], jnp.int32(6), cfg=CFG,
+                                         runtime=RT[impl])
     out = [np.asarray(logits[0])]
     for t in range(6, 46):
-      logits, _, cache, _ = decode_fn(w, cache, toks[:, t:t + 1], cfg=CFG, runtime=RT[impl])
+      logits, _, cache, _ = fns["decode"](w, cache, toks[:, t:t + 1], cfg=CFG, runtime=RT[impl])
       out.append(np.asarray(logits[0, 0]))
     return np.stack(out)
   assert rel_err(run("sparse"), run("dense")) <= TOL
@@ -91,12 +95,13 @@ def test_batched_decode_with_rows_at_their_own_lengths(w):
   lengths = np.asarray([3, 9, 30], np.int32)
   toks = _toks(2, 3, 1)
 
-  def run(impl, rows=slice(None)):  # a fresh cache each time: decode_fn donates it
+  def run(impl, rows=slice(None)):  # a fresh cache each time: decode donates it
     base = _random_pool(kvcache.init_cache(CFG, 3, 40), 0)
     cache = dataclasses.replace(base, pages=base.pages[rows],
                                 length=jnp.asarray(lengths[rows]))
-    return np.asarray(decode_fn(w, cache, toks[rows], cfg=CFG, runtime=RT[impl],
-                                n_valid=jnp.ones(len(lengths[rows]), jnp.int32)).logits[:, 0])
+    return np.asarray(entry_points(w)["decode"](
+        w, cache, toks[rows], cfg=CFG, runtime=RT[impl],
+        n_valid=jnp.ones(len(lengths[rows]), jnp.int32)).logits[:, 0])
   both = run("sparse")
   assert rel_err(both, run("dense")) <= TOL
   for r in range(3):
@@ -132,7 +137,8 @@ def test_tied_indexer_keeps_the_earliest_keys(w):
   w0 = dataclasses.replace(w, layers=[dataclasses.replace(
       w.layers[0], attn=dataclasses.replace(w.layers[0].attn, indexer=ix)), *w.layers[1:]])
   toks = _toks(4, 1, 30)
-  run = lambda impl: np.asarray(score_fn(w0, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
+  score = entry_points(w0)["score"]
+  run = lambda impl: np.asarray(score(w0, toks, jnp.int32(0), cfg=CFG, runtime=RT[impl]))
   assert rel_err(run("sparse"), run("dense")) <= TOL
   x = w0.embed[toks].astype(jnp.float32)
   _, _, sel = _attention(w0.layers[0].attn, x, 0, CFG)

@@ -65,15 +65,17 @@ def test_cached_decode_matches_score_and_transformers(case):
   ref_argmax = want[len(prompt) - 1:-1].argmax(-1)
   np.testing.assert_array_equal(result.tokens, ref_argmax)
   # And the cached (prefill + absorbed decode) logits equal score() at every position.
-  from glmjax.model.forward import decode_fn, init_cache, prefill_fn
+  from glmjax.model.forward import entry_points, init_cache
   import jax.numpy as jnp
   cfg, w = model.config, model.weights
   cache = init_cache(cfg, 1, 64)
   scored = model.score(full)[0]
-  logits, _, cache, _ = prefill_fn(w, cache, jnp.asarray(full[:, :len(prompt)]), len(prompt), cfg=cfg)
+  fns = entry_points(w)  # as the executor runs them
+  logits, _, cache, _ = fns["prefill"](w, cache, jnp.asarray(full[:, :len(prompt)]),
+                                       len(prompt), cfg=cfg)
   steps = [np.asarray(logits[0])]
   for t in range(len(prompt), full.shape[1]):
-    logits, _, cache, _ = decode_fn(w, cache, jnp.asarray(full[:, t:t + 1]), cfg=cfg)
+    logits, _, cache, _ = fns["decode"](w, cache, jnp.asarray(full[:, t:t + 1]), cfg=cfg)
     steps.append(np.asarray(logits[0, 0]))
   assert rel_err(np.stack(steps), scored[len(prompt) - 1:]) <= TOL
 

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from glmjax.model.config import Runtime
-from glmjax.model.forward import fresh_start, score_fn
+from glmjax.model.forward import entry_points, fresh_start
 
 
 def log_softmax(x) -> np.ndarray:
@@ -35,9 +35,10 @@ def compare(ref: list[np.ndarray], got: list[np.ndarray]) -> dict:
 
 
 def scores(weights, cfg, sequences: list[np.ndarray], kernel: str = "auto") -> list[np.ndarray]:
-  """Log-probabilities `[S, V]` of each int32 sequence `[S]` under `weights` (one jit each)."""
-  return [log_softmax(score_fn(weights, np.asarray(s, np.int32)[None], fresh_start(), cfg=cfg,
-                               runtime=Runtime(kernel))[0]) for s in sequences]
+  """Log-probabilities `[S, V]` of each int32 sequence `[S]` under `weights` (one pass each)."""
+  score = entry_points(weights)["score"]
+  return [log_softmax(score(weights, np.asarray(s, np.int32)[None], fresh_start(), cfg=cfg,
+                            runtime=Runtime(kernel))[0]) for s in sequences]
 
 
 def with_layer(weights, layer: int, experts):

@@ -441,42 +441,57 @@ def fresh_start():
   return jnp.zeros((), jnp.int32)
 
 
+def one_layer(lw, chunk: Chunk, pool, cfg: Config, absorbed, drive: Drive):
+  """Decoder layer `lw` for `chunk` (updated in place) through `drive` (its provider gets the
+  layer as index 0), its `pool` addressed by the chunk's pages: the new pool (None without)."""
+  kv = None if pool is None else PagedLayer(pool, chunk.pages)
+  return _layer(0, lw, [chunk], cfg, kv, absorbed, drive, drive.provider)
+
+
+def through_layers(w: Weights, chunk: Chunk, cache: KVCache | None, step: Callable):
+  """`chunk` through `w`'s decoder layers, one `step(i, lw, chunk, pool)` → (chunk, new pool,
+  record or None) at a time, each a jitted call that layers of one structure and shape share:
+  (the chunk, the new cache or None, the records)."""
+  pools, records = [], []
+  for i, lw in enumerate(w.layers):
+    chunk, pool, rec = step(i, lw, chunk, None if cache is None else cache.layers[i])
+    pools.append(pool)
+    if rec is not None:
+      records.append(rec)
+  return chunk, None if cache is None else KVCache(pools, cache.pages, cache.length), records
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime", "record"),
                    donate_argnames=("pool",))
 def layer_step(lw, chunk: Chunk, pool, next_lw, cfg: Config, absorbed=None,
                runtime: Runtime = Runtime(), record: RecordOptions | None = None):
-  """One decoder layer of resident weights `lw` for the `chunk` (`_layer` with the resident
-  provider): its `pool` (donated; None without a cache) addressed by the chunk's pages. With
-  `record`, a MoE layer's routing record (`next_lw`: the next MoE layer's weights, for the
-  pilot). Returns (the chunk after the layer, the new pool, the record or None)."""
+  """One decoder layer of resident weights `lw` for the `chunk` (`one_layer`, the resident
+  provider), its `pool` donated (None without a cache). With `record`, a MoE layer's routing
+  record (`next_lw`: the next MoE layer's weights, for the pilot). Returns (the chunk after the
+  layer, the new pool, the record or None)."""
   records: list = []
   experts = resident_experts(runtime)
   if record is not None:
     experts = recording(experts, lambda _: next_lw, cfg, records, record)
-  kv = None if pool is None else PagedLayer(pool, chunk.pages)
-  chunk = dataclasses.replace(chunk)  # `_layer` updates it in place
-  new = _layer(0, lw, [chunk], cfg, kv, absorbed, Drive(experts, runtime=runtime), experts)
+  chunk = dataclasses.replace(chunk)  # updated in place
+  new = one_layer(lw, chunk, pool, cfg, absorbed, Drive(experts, runtime=runtime))
   return chunk, new, records[0] if records else None
 
 
 def _stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
              n_valid=None, start=None, runtime: Runtime = Runtime(),
              record: RecordOptions | None = None):
-  """`hidden_states` of resident weights, layer by layer through `layer_step`: (x `[B, S, D]`,
-  the new cache or None, each MoE layer's record when `record`). `start` (no cache): a run-time
-  int32, `fresh_start()` by default."""
+  """`hidden_states` of resident weights through `layer_step`s: (x `[B, S, D]`, the new cache
+  or None, each MoE layer's record when `record`). `start` (no cache): a run-time int32,
+  `fresh_start()` by default."""
   start = (fresh_start() if start is None else start) if cache is None else cache.length
   chunk = Chunk(JITTED.embed(w, tokens), start, n_valid,  # [B, S, D]
                 pages=None if cache is None else cache.pages)
-  pools, records = [], []
-  for i, lw in enumerate(w.layers):
-    chunk, pool, rec = layer_step(lw, chunk, None if cache is None else cache.layers[i],
-                                  next_moe(w, i) if record is not None else None, cfg=cfg,
-                                  absorbed=absorbed, runtime=runtime, record=record)
-    pools.append(pool)
-    if rec is not None:
-      records.append(rec)
-  return chunk.x, None if cache is None else KVCache(pools, cache.pages, cache.length), records
+  step = lambda i, lw, chunk, pool: layer_step(
+      lw, chunk, pool, next_moe(w, i) if record is not None else None, cfg=cfg,
+      absorbed=absorbed, runtime=runtime, record=record)
+  chunk, cache, records = through_layers(w, chunk, cache, step)
+  return chunk.x, cache, records
 
 
 def score_fn(w: Weights, tokens, start, cfg: Config, runtime: Runtime = Runtime(), n_valid=None):

@@ -1,13 +1,15 @@
-"""The offload engine's fused step: the one forward pass in one jit over the CPU-resident tiers
-(the pin pools and the host slab, addressed through slot tables), for a step whose experts are
-(probably) all held, with no host round trip per layer. Its tier bookkeeping is the layer
-path's own rules (`TierRules.lookup` and `TierRules.admit`), applied after the step from its
-routing record.
+"""The offload engine's fused step: the one forward pass over the CPU-resident tiers (the pin
+pools and the host slab, addressed through slot tables), for a step whose experts are (probably)
+all held, with no host round trip per layer: each decoder layer one jitted `fused_layer`, shared
+by identical layers, or for a shallow model all of them inlined into one program (the resident
+rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own rules
+(`TierRules.lookup` and `TierRules.admit`), applied after the step from its routing record.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 
@@ -16,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config, Runtime
-from glmjax.model.forward import Drive, forward, fresh_start, valid_rows
+from glmjax.model.forward import (JITTED, ONE_PROGRAM, Chunk, Drive, entry_points, fresh_start,
+                                  one_layer, through_layers, valid_rows)
 from glmjax.model.layers import F32
 from glmjax.model.moe import pool_terms
 from glmjax.model.weights import Weights
@@ -24,6 +27,7 @@ from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement
 from glmjax.offload.tiers import Tiers
 from glmjax.runtime import compile_cache
+from glmjax.runtime.clock import CompileClock
 
 # A step of more tokens than this runs fused only when the tiers hold every expert.
 FUSED_GUESS_TOKENS = 16
@@ -37,21 +41,15 @@ def _tier_terms(flat, valid, ids, pool, table):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime"),
-                   donate_argnames=("cache",))
-def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cfg: Config,
-                  absorbed: bool, runtime: Runtime = Runtime()):
-  """The one forward pass in one jit over the CPU-resident tiers, for a step whose experts are
-  (probably) all cached: each MoE layer gathers its experts from the pin pool and the host slab
-  through slot tables (`tiers`: "pins" {layer: pool}, "pin" `[L, E]`, "slab" pool or None,
-  "host" `[L, E]`), with no host round trip.
-
-  Returns (logits, hidden, cache, record): `record` is one int32 vector, the concatenation of
-  missing `[M]` (per MoE layer, the real (token, rank) pairs whose expert no tier held) and
-  ids `[M, T, K]`.
-  A step with anything missing is void; the caller re-runs it through the tiers (the cache
-  writes of this step sit past `length` and are rewritten).
-  """
-  ids_seen, missing = [], []
+                   donate_argnames=("pool",))
+def fused_layer(lw, chunk: Chunk, pool, tiers: dict | None, cfg: Config, absorbed: bool,
+                runtime: Runtime = Runtime()):
+  """One decoder layer of the fused step for `chunk`, its KV `pool` donated. A MoE layer gathers
+  its experts from its pin pool and the host slab through slot tables (`tiers`: "pins" the pool
+  or None, "pin" its table `[E]`, "slab" the slab or None, "host" its table `[E]`). Returns (the
+  chunk, the new pool, (missing: real (token, rank) pairs no tier held `[]`, ids `[T, K]`) at a
+  MoE layer, else None)."""
+  seen = []
 
   def provide(layer, m, chunks):
     (r,) = chunks
@@ -59,20 +57,38 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: dict, start, cf
     valid = valid_rows(r.x.shape, r.n_valid, jnp)[:, None]  # [T, 1]
     terms, found = jnp.zeros((*ids.shape, flat.shape[-1]), F32), jnp.zeros(ids.shape, bool)
     if tiers["slab"] is not None:
-      terms, found = _tier_terms(flat, valid, ids, tiers["slab"], tiers["host"][layer])
-    if layer in tiers["pins"]:
-      pinned, on_pin = _tier_terms(flat, valid, ids, tiers["pins"][layer], tiers["pin"][layer])
+      terms, found = _tier_terms(flat, valid, ids, tiers["slab"], tiers["host"])
+    if tiers["pins"] is not None:
+      pinned, on_pin = _tier_terms(flat, valid, ids, tiers["pins"], tiers["pin"])
       terms, found = jnp.where(on_pin[..., None], pinned, terms), found | on_pin
-    ids_seen.append(ids)
-    missing.append(jnp.sum(valid & ~found))
+    seen.append((jnp.sum(valid & ~found).astype(jnp.int32), ids.astype(jnp.int32)))
     yield terms
 
-  logits, x, cache = forward(dense, tokens, cfg, cache, absorbed, n_valid, start,
-                             Drive(provide, runtime=runtime))  # start: run-time, as the layer steps'
-  # One int32 vector, so the host fetches the whole record in one transfer.
-  record = jnp.concatenate([jnp.stack(missing).astype(jnp.int32),
-                            jnp.stack(ids_seen).astype(jnp.int32).reshape(-1)])
-  return logits, x, cache, record
+  chunk = dataclasses.replace(chunk)  # updated in place
+  new = one_layer(lw, chunk, pool, cfg, absorbed, Drive(provide, runtime=runtime))
+  return chunk, new, seen[0] if seen else None
+
+
+def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: list, start, cfg: Config,
+                  absorbed: bool, runtime: Runtime = Runtime()):
+  """The one forward pass over the CPU-resident tiers, each layer a `fused_layer` (`tiers[i]`:
+  layer i's, None at a dense layer), for a step whose experts are (probably) all cached.
+
+  Returns (logits, hidden, cache, record): `record` holds, per MoE layer, the real (token,
+  rank) pairs whose expert no tier held and the ids `[T, K]`. A step with anything missing is
+  void; the caller re-runs it through the tiers (the cache writes of this step sit past
+  `length` and are rewritten)."""
+  chunk = Chunk(JITTED.embed(dense, tokens), start if cache is None else cache.length, n_valid,
+                pages=None if cache is None else cache.pages)
+  step = lambda i, lw, chunk, pool: fused_layer(lw, chunk, pool, tiers[i], cfg=cfg,
+                                                absorbed=absorbed, runtime=runtime)
+  chunk, cache, record = through_layers(dense, chunk, cache, step)
+  return JITTED.logits(dense, chunk.x, cfg=cfg), chunk.x, cache, record
+
+
+# A shallow model's fused step as one program (compiled ahead, `FusedStep.executable`).
+fused_program = jax.jit(fused_forward, static_argnames=("cfg", "absorbed", "runtime"),
+                        donate_argnames=("cache",))
 
 
 class FusedStep:
@@ -95,7 +111,8 @@ class FusedStep:
     self.unsettled = None  # (record, tokens, valid) of a step returned before its bookkeeping
     self._compiled: dict = {}
     self._zero = fresh_start()  # a cache-less fused step's start (see forward)
-    self._tables = None  # (host copy, device copy) of the pin and host slot tables
+    self._tables = None  # (host copy, device rows) of the pin and host slot tables
+    self.one_program = entry_points(dense) is ONE_PROGRAM  # else a jitted step per layer
 
   def worth_trying(self, n_tokens: int, all_cached: bool) -> bool:
     """Whether a step of `n_tokens` tokens is tried fused."""
@@ -122,22 +139,21 @@ class FusedStep:
     return (logits, x, new_cache), None
 
   def executable(self, tokens, cache, absorbed, n_valid):
-    """(`fused_forward` compiled for this step's shapes, its arguments), compiled once per
-    shape ahead of the call, so its time is accounted apart (`fused_compile_s`)."""
+    """(the step for this step's shapes, its arguments): `fused_program` compiled ahead once per
+    shape, or `fused_forward`'s layer steps, compiled at their first call; either way the
+    compilation is accounted apart (`fused_compile_s`)."""
     n_layers = self.cfg.num_hidden_layers
-    slabs = self.tiers.slabs
-    slab = slabs.slabs.get(self.layout)
-    dev = jax.devices()[0]
-    tables = np.stack([self.tiers.pin_tables[:n_layers], slabs.tables[:n_layers]])
+    slab = self.tiers.slabs.slabs.get(self.layout)
+    tables = np.stack([self.tiers.pin_tables[:n_layers], self.tiers.slabs.tables[:n_layers]])
     if self._tables is None or not np.array_equal(self._tables[0], tables):
-      # uploaded when the tiers changed (two arrays: indexing a device array is a dispatch)
-      self._tables = (tables, *jax.device_put((tables[0], tables[1]), dev))
-    tiers = {
-        "pins": {l: d.pool for l, d in self.tiers.device.items() if l < n_layers},
-        "pin": self._tables[1],
-        "slab": None if slab is None else slab.pool,
-        "host": self._tables[2],
-    }
+      # uploaded when the tiers changed, a row a layer (indexing a device array is a dispatch)
+      rows = jax.device_put([*tables[0], *tables[1]], jax.devices()[0])
+      self._tables = (tables, rows[:n_layers], rows[n_layers:])
+    pins, moe = self.tiers.device, set(self.moe_layers)
+    tiers = [None if i not in moe else {
+        "pins": pins[i].pool if i in pins else None, "pin": self._tables[1][i],
+        "slab": None if slab is None else slab.pool, "host": self._tables[2][i]}
+        for i in range(n_layers)]
     nv = None if n_valid is None else np.asarray(n_valid, np.int32)  # [] or [B] per row
     args = (self.dense, tokens, cache, nv, tiers, self._zero)
     static = dict(cfg=self.cfg, absorbed=absorbed, runtime=self.runtime)
@@ -146,17 +162,33 @@ class FusedStep:
     key = (tokens.shape, None if cache is None else (cache.layers[0].latent.shape,
                                                      cache.pages.shape),
            None if nv is None else nv.shape, slab is None, absorbed)
-    if key not in self._compiled:
-      t0 = time.perf_counter()
+    first = key not in self._compiled
+    if first:
       compile_cache.relieve_map_pressure()
-      self._compiled[key] = fused_forward.lower(*args, **static).compile()
-      self.stats["fused_compile_s"] += time.perf_counter() - t0
-    return self._compiled[key], args
+    if self.one_program:
+      if first:
+        t0 = time.perf_counter()
+        self._compiled[key] = fused_program.lower(*args, **static).compile()
+        self.stats["fused_compile_s"] += time.perf_counter() - t0
+      return self._compiled[key], args
+    self._compiled[key] = True
+    return functools.partial(self._layers, first, static), args
+
+  def _layers(self, first: bool, static: dict, *args):
+    """`fused_forward` over `args`; the first call of a shape is timed for its compilation."""
+    if not first:
+      return fused_forward(*args, **static)
+    with CompileClock() as clock:
+      out = fused_forward(*args, **static)
+    self.stats["fused_compile_s"] += clock.seconds
+    return out
 
   def _split_record(self, record, n_tokens: int) -> tuple[bool, np.ndarray]:
     """`fused_forward`'s record → (whether any pair missed, ids `[M, T, K]`)."""
-    record, m = np.asarray(record), len(self.moe_layers)
-    return bool(record[:m].any()), record[m:].reshape(m, n_tokens, -1)
+    record = jax.device_get(record)
+    missing = np.array([m for m, _ in record])
+    return bool(missing.any()), np.stack([ids for _, ids in record]).reshape(
+        len(record), n_tokens, -1)
 
   def settle(self) -> None:
     """Applies the bookkeeping of a step that was returned unsettled (every expert held, so it
