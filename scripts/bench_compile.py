@@ -1,6 +1,7 @@
 """Compile time of the resident steps against depth: does it grow with the layers?
 
-  python scripts/bench_compile.py --layers=4,24 --json=docs/bench_compile.json
+  python scripts/bench_compile.py --layers=4,8,24 --fused_stores=/tmp/fused \
+      --json=docs/bench_compile.json
 
 For each total depth L (the tiny synthetic geometry: its one dense layer, then L - 1 MoE layers of
 float experts, alternating full and shared indexers), the resident `prefill_fn` (one
@@ -37,6 +38,10 @@ flags.DEFINE_integer("prefill_tokens", 64, "Tokens of the prefill chunk.", lower
 flags.DEFINE_integer("capacity", 512, "Cache positions.", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "Rounds per depth (medians reported).", lower_bound=1)
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
+flags.DEFINE_string("fused_stores", None, "Also time the offload engine's fused step: a tiny "
+                    "store per depth (8 experts a layer) is made under this directory, every "
+                    "expert held in the host cache, and a 13-token prompt generates 3 tokens "
+                    "(the step's fused_compile_s: one 16-wide prefill and one decode shape).")
 
 
 def model_at(layers: int):
@@ -61,6 +66,44 @@ def first_steps(cfg: Config, w, fns: dict) -> dict:
       jax.block_until_ready(cache)
     out[name] = {"compile_s": clock.seconds, "first_call_s": time.perf_counter() - t0}
   return out
+
+
+def fused_compile(path: str, one_program: bool) -> float:
+  """The fused step's compile seconds on the store at `path`, fully cached, as one program or
+  a `fused_layer` per layer."""
+  import glmjax
+  with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0, host_cache_gb=1.0,
+                   compile_cache=False) as m:
+    m.engine.warm_host()
+    m.engine.fused_step.one_program = one_program
+    return m.generate(list(range(5, 18)), 3, stop_ids=[]).stats.get("fused_compile_s", 0.0)
+
+
+def fused_rows(depths: list[int]) -> list[dict]:
+  """Medians of the fused step's compile seconds per depth: one program, a step per layer,
+  and what the engine picks (`FusedStep.one_program`, the resident rule)."""
+  import os
+  from glmjax.formats.synthetic import make_synthetic_store
+  from glmjax.model.forward import ONE_PROGRAM
+  paths = {d: os.path.join(FLAGS.fused_stores, f"tiny_{d}") for d in depths}
+  for d, path in paths.items():
+    if not os.path.exists(path):
+      make_synthetic_store(path, geometry="tiny", moe_layers=d - DENSE_LAYERS, experts=8,
+                           mtp=False, progress=False)
+  rows = []
+  for d in depths:
+    times = {True: [], False: []}
+    for _ in range(FLAGS.repeats):
+      for one in (True, False):
+        jax.clear_caches()
+        times[one].append(fused_compile(paths[d], one))
+    picked = entry_points(model_at(d)[1]) is ONE_PROGRAM
+    rows.append({"layers": d, "one_program_s": statistics.median(times[True]),
+                 "layer_steps_s": statistics.median(times[False]),
+                 "picked": "one_program" if picked else "layer_steps"})
+    print(f"fused step   L={d:3d}  one program {rows[-1]['one_program_s']:.2f} s  "
+          f"layer steps {rows[-1]['layer_steps_s']:.2f} s  (picks {rows[-1]['picked']})")
+  return rows
 
 
 def main(argv):
@@ -94,6 +137,8 @@ def main(argv):
             f"(×{row['ratio_to_first']:.2f})  prefill {row['prefill_compile_s']:.2f} s  "
             f"decode {row['decode_compile_s']:.2f} s")
     report[mode] = rows
+  if FLAGS.fused_stores:
+    report["fused_step"] = fused_rows(depths)
   write_report(report, FLAGS.json)
 
 

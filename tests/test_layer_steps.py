@@ -14,7 +14,7 @@ from glmjax.formats.synthetic import DENSE_LAYERS, synthetic_config
 from glmjax.model import forward, kvcache, weights
 from glmjax.model.config import Config
 
-DEPTH = 12  # total layers: past three per distinct layer (3 here), so the executor steps them
+DEPTH = 10  # total layers: past three per distinct layer (3 here), so the executor steps them
 PROMPT = 13  # tokens of the prefill chunk (odd: a width no other test compiles)
 
 
