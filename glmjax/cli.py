@@ -37,6 +37,7 @@ CHOICES = {
     "attention": ("sparse", "dense"),
     "kv_dtype": ("auto", "float32", "bfloat16"),
     "index_dtype": ("auto", "float32", "bfloat16", "float8"),
+    "compile_unit": ("auto", "layer", "step"),
 }
 # (lower, upper) bounds absl checks as it parses (Options checks again at load).
 BOUNDS = {"max_context": (1, None), "io_workers": (1, None), "expert_budget": (1, None),

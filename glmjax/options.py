@@ -85,6 +85,10 @@ class Options:
     compile_cache: keep compiled steps in JAX's persistent cache (in $GLMJAX_CACHE, else
       ~/.cache/glmjax/xla; a directory already configured for JAX is kept), so the next
       process loads them instead of compiling. False leaves JAX's setting as it is.
+    compile_unit: what a resident (or fused offloaded) step compiles as: "layer" (each decoder
+      layer one program, shared by identical layers: compile time flat in depth), "step" (the
+      whole step one program: faster to compile for a shallow model), or "auto" ("step" up to
+      three layers per distinct layer, else "layer"; measured on a CPU, DESIGN.md §4).
   """
 
   dtype: str = "auto"
@@ -110,6 +114,7 @@ class Options:
   index_dtype: str = "auto"
   prefix_cache: bool = False
   compile_cache: bool = True
+  compile_unit: str = "auto"
 
   def __post_init__(self):
     if self.dtype not in DTYPES:
@@ -138,6 +143,9 @@ class Options:
       raise InputError(f"compile_cache must be True or False, got {self.compile_cache!r}")
     if not isinstance(self.prefix_cache, bool):
       raise InputError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+    if self.compile_unit not in ("auto", "layer", "step"):
+      raise InputError(f"compile_unit must be 'auto', 'layer' or 'step', got "
+                       f"{self.compile_unit!r}")
     if self.attention not in ("sparse", "dense"):
       raise InputError(f"attention must be 'sparse' or 'dense', got {self.attention!r}")
     if self.prefill_chunk is None:  # frozen: the default is filled in once, here

@@ -73,9 +73,8 @@ def fused_compile(path: str, one_program: bool) -> float:
   a `fused_layer` per layer."""
   import glmjax
   with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0, host_cache_gb=1.0,
-                   compile_cache=False) as m:
-    m.engine.warm_host()
-    m.engine.fused_step.one_program = one_program
+                   compile_cache=False, compile_unit="step" if one_program else "layer") as m:
+    m.executor.warm_host()
     return m.generate(list(range(5, 18)), 3, stop_ids=[]).stats.get("fused_compile_s", 0.0)
 
 

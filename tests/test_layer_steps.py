@@ -119,3 +119,16 @@ def test_a_deep_stores_fused_step_runs_layer_by_layer_with_the_layer_paths_bits(
   assert runs[True][0] == runs[False][0]
   np.testing.assert_array_equal(runs[True][1], runs[False][1])
   assert 0 < runs[True][3] <= 3 * 4  # distinct layers x (prefill, decode, score widths)
+
+
+def test_compile_unit_chooses_and_a_bad_one_is_refused():
+  import pytest
+  import glmjax
+  from glmjax.errors import InputError
+  _, w = _model()
+  assert forward.entry_points(w, "step") is forward.ONE_PROGRAM
+  assert forward.entry_points(w, "layer") is forward.LAYER_STEPS
+  with glmjax.load(progress=False, compile_unit="layer") as m:
+    assert m.executor.fns is forward.LAYER_STEPS
+  with pytest.raises(InputError, match="compile_unit must be 'auto', 'layer' or 'step'"):
+    glmjax.load(progress=False, compile_unit="layers")

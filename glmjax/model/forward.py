@@ -582,11 +582,14 @@ ONE_PROGRAM = {
 LAYER_STEPS = {"prefill": prefill_fn, "decode": decode_fn, "score": score_fn, "record": record_fn}
 
 
-def entry_points(w: Weights) -> dict:
-  """The resident entry points that compile fastest for `w`'s depth: `ONE_PROGRAM` for at most
-  ONE_PROGRAM_LAYERS_PER_KIND layers per distinct layer, else `LAYER_STEPS`."""
-  shallow = len(w.layers) <= ONE_PROGRAM_LAYERS_PER_KIND * distinct_layers(w)
-  return ONE_PROGRAM if shallow else LAYER_STEPS
+def entry_points(w: Weights, unit: str = "auto") -> dict:
+  """The resident entry points for compile `unit` ("layer": `LAYER_STEPS`, "step":
+  `ONE_PROGRAM`); "auto": the faster to compile for `w`'s depth, `ONE_PROGRAM` for at most
+  ONE_PROGRAM_LAYERS_PER_KIND layers per distinct layer."""
+  if unit == "auto":
+    shallow = len(w.layers) <= ONE_PROGRAM_LAYERS_PER_KIND * distinct_layers(w)
+    unit = "step" if shallow else "layer"
+  return ONE_PROGRAM if unit == "step" else LAYER_STEPS
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "runtime"), donate_argnames=("cache",))

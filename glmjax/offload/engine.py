@@ -173,7 +173,8 @@ class OffloadEngine:
         cfg, dense, self.tiers, self.prefetcher, self.placement, self.stats, self.layout,
         self.moe_layers, self.runtime,
         enabled=(self.placement.on_cpu and cache_route is None and not self.all_resident
-                 and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1))
+                 and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1),
+        unit=o.compile_unit)
     # A host cache that can hold every routed expert of the main layers is filled in the
     # background (FILL priority, hottest first), so that steps end up fused and never miss.
     unpinned = len(self.moe_layers) * (e - self.slots)

@@ -103,7 +103,7 @@ class FusedStep:
 
   def __init__(self, cfg: Config, dense: Weights, tiers: Tiers, prefetcher: Prefetcher,
                placement: Placement, stats, layout, moe_layers: list[int], runtime: Runtime,
-               enabled: bool):
+               enabled: bool, unit: str = "auto"):
     self.cfg, self.dense, self.tiers, self.prefetcher = cfg, dense, tiers, prefetcher
     self.placement, self.stats, self.layout, self.moe_layers = placement, stats, layout, moe_layers
     self.runtime, self.enabled = runtime, enabled
@@ -112,7 +112,8 @@ class FusedStep:
     self._compiled: dict = {}
     self._zero = fresh_start()  # a cache-less fused step's start (see forward)
     self._tables = None  # (host copy, device rows) of the pin and host slot tables
-    self.one_program = entry_points(dense) is ONE_PROGRAM  # else a jitted step per layer
+    # one program, or a jitted step per layer (`unit`: Options.compile_unit)
+    self.one_program = entry_points(dense, unit) is ONE_PROGRAM
 
   def worth_trying(self, n_tokens: int, all_cached: bool) -> bool:
     """Whether a step of `n_tokens` tokens is tried fused."""

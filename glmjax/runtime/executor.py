@@ -104,6 +104,7 @@ class Steps:
     # The static half of every compiled step (the options that become static arguments).
     self.runtime = Runtime(options.moe_kernel, mesh, options.attention)
     self.chunk = options.prefill_chunk
+    self.compile_unit = options.compile_unit
     self.progress = options.progress  # a bar over a chunked prefill's chunks
     self.dense_bytes = dense_bytes
     self.expert_budget = None if engine is None else engine.expert_budget
@@ -223,7 +224,7 @@ class ResidentExecutor(Steps):
   @functools.cached_property
   def fns(self) -> dict:
     """The prefill, decode, score and record entry points for this model's depth."""
-    return entry_points(self.weights)
+    return entry_points(self.weights, self.compile_unit)
 
   def _static(self, **kw) -> dict:
     return dict(cfg=self.cfg, runtime=self.runtime, **kw)
