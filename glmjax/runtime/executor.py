@@ -109,7 +109,7 @@ class Steps:
     self.dense_bytes = dense_bytes
     self.expert_budget = None if engine is None else engine.expert_budget
     self.expert_bytes = 0 if engine is None else engine.chunk_bytes
-    self._compiled: dict = {}
+    self._shapes_met: set = set()  # (step, static arguments, shapes) keys, for `compiled`
     self._stats_saved_at = time.monotonic()
 
   def __repr__(self):
@@ -120,7 +120,7 @@ class Steps:
     """This executor with attention `impl` ("sparse" or "dense") and its own compiled steps:
     benchmarks compare the two on one loaded model."""
     other = copy.copy(self)
-    other.runtime, other._compiled = dataclasses.replace(self.runtime, impl=impl), {}
+    other.runtime, other._shapes_met = dataclasses.replace(self.runtime, impl=impl), set()
     return other
 
   def put(self, x, dtype=None, batch: bool = False) -> jax.Array:
@@ -145,9 +145,9 @@ class Steps:
     leaves = jax.tree_util.tree_leaves((args[1:], dynamic))  # the weights' shapes never change
     key = (fn, tuple(sorted(static.items())), tuple(sorted(dynamic)),
            tuple((a.shape, a.dtype) for a in leaves))
-    if key not in self._compiled:
+    if key not in self._shapes_met:
       compile_cache.relieve_map_pressure()
-      self._compiled[key] = fn
+      self._shapes_met.add(key)
     return functools.partial(fn, **static)
 
   def ids(self, x) -> jax.Array:
@@ -159,7 +159,7 @@ class Steps:
     return KVCache(cache.layers, cache.pages, self.put(length, jnp.int32))
 
   def compiled(self) -> list[str]:
-    return sorted(key[0].__name__ for key in self._compiled)
+    return sorted(key[0].__name__ for key in self._shapes_met)
 
   # --- the engine's telemetry (None / no-ops without one) ------------------------------------
   def telemetry(self) -> dict | None:
