@@ -4,9 +4,10 @@ Letters: B batch, S sequence (queries), T cache capacity, D hidden, V vocabulary
 
 The forward pass is written once (`forward`, and `mtp_forward` for the MTP block), from three
 pure pieces per layer: attention + route, routed experts through an expert provider, and
-combine + shared expert + residual. Resident models run it inside one jit (the entry points at
-the bottom); the offload engine drives the same pieces jitted one by one (`JITTED`) with its
-tiered provider and host work between them. Decoder layers are a Python loop, so each layer
+combine + shared expert + residual. Resident models run each layer's pieces as one jitted
+`layer_step` (the entry points at the bottom), inlined into one program for a shallow model;
+the offload engine drives the same pieces jitted one by one (`JITTED`) with its tiered provider
+and host work between them. Decoder layers are a Python loop, so each layer
 keeps its own structure (dense or MoE, full or shared indexer).
 """
 
@@ -390,8 +391,9 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
             n_valid=None, start=0, drive: Drive = Drive()):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
-  This is the one forward pass: inside one jit with `PURE` steps (resident models), or driven
-  step by step by the offload engine with `JITTED` steps and its tiered experts (`Drive`).
+  This is the one forward pass: inside a caller's jit with `PURE` steps (training, the tests'
+  reference), or driven step by step by the offload engine with `JITTED` steps and its tiered
+  experts (`Drive`); resident entry points run its layer body per layer (`layer_step`).
   Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
   Positions at or past `n_valid` are padding: they never select experts. Without a cache the
   tokens sit at `start`.. (0 by default); inside a jit, pass it as a traced int32 zero
@@ -430,11 +432,9 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None =
 
 # --- entry points of resident models -------------------------------------------------------
 
-# A resident pass runs each decoder layer as one jitted `layer_step`: layers of one structure
-# and shape (dense or MoE, full or shared indexer) share its executable, so compile time does
-# not grow with depth. A shallow model runs them inlined into one program (`entry_points`).
-# `cfg` and `runtime` (kernel, mesh, attention impl) are static: they select different code,
-# not shapes.
+# A resident pass runs each decoder layer as one jitted `layer_step`, shared by layers of one
+# structure and shape, so compile time does not grow with depth (a shallow model: one program,
+# `entry_points`). `cfg` and `runtime` are static: they select different code, not shapes.
 
 def fresh_start():
   """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
