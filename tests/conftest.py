@@ -2,6 +2,7 @@
 compilation cache per run shared by its workers and the scripts it starts."""
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -140,16 +141,16 @@ def _cpu_kernels_compiled():
     time.sleep(0.05)
 
 
-# The files that take longest, first, by the CPU-seconds each took in a full run (themselves
-# and the processes they start; 1979b4e: test_long_context 255 s down to test_batch_decode
-# 68 s). xdist's `--dist loadfile` hands whole files to the workers in collection order (the
-# reordering by test count is off, above), so a long file collected last would run alone at
-# the end.
-HEAVY_FIRST = ("test_long_context.py", "test_multiprocess_offload.py", "test_speculative.py",
-               "test_serve_clients.py", "test_train.py", "test_offload.py",
-               "test_dense_quant.py", "test_grouped.py", "test_mesh.py", "test_replay.py",
-               "test_robustness.py", "test_calibration.py", "test_store.py",
-               "test_batch_decode.py", "test_attacks.py", "test_serve_faults.py")
+# Files in order of the CPU seconds each took in full runs (tests/file_seconds.json, written by
+# tests/file_seconds.py), most first; a file not listed yet goes first. xdist's `--dist loadfile`
+# hands whole files to the workers in collection order (its reordering by test count is off,
+# above): a long file collected late would run alone at the end, and with the heaviest first
+# the last files to start are the shortest, so the two workers finish together (a 100 s gap
+# between them with only the 16 heaviest ordered).
+def _file_seconds() -> dict:
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json"),
+            encoding="utf-8") as f:
+    return json.load(f)
 
 
 # The fast tier (`pytest -m fast tests`, README): the files that load no model and compile no
@@ -161,8 +162,9 @@ FAST_TIER = ("test_sampling.py", "test_quant.py", "test_config.py", "test_cost_m
 
 
 def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))
+  seconds = _file_seconds()
+  items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))  # stable: in a file,
+  # the tests keep their order
   for item in items:
     if item.path.name in FAST_TIER:
       item.add_marker(pytest.mark.fast)
@@ -220,12 +222,14 @@ def pytest_runtest_protocol(item, nextitem):
   """With GLMJAX_TEST_CPU_LOG=<dir>, appends each test's CPU seconds (this worker's and the
   processes it waited for: user + system) to <dir>/<worker>.tsv: the suite's budget is CPU, and
   a test's wall time on two busy cores says little about it. Then this worker's seconds in JAX
-  tracing, lowering and XLA, and its XLA compilations (`_compile_seconds`), during the test."""
+  tracing, lowering and XLA, and its XLA compilations (`_compile_seconds`), during the test; then
+  the wall-clock time it ended (when each worker finished)."""
   log = os.environ.get("GLMJAX_TEST_CPU_LOG")
   if not log:
     yield
     return
   import resource
+  import time
 
   def cpu():
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
@@ -238,7 +242,7 @@ def pytest_runtest_protocol(item, nextitem):
   spent = [seen[k] - before[k] for k in seen] + [compilations() - compiled]
   with open(os.path.join(log, worker + ".tsv"), "a", encoding="utf-8") as f:
     f.write(f"{item.nodeid}\t{cpu() - start:.2f}\t" + "\t".join(f"{x:.2f}" for x in spent) +
-            "\n")
+            f"\t{time.time():.1f}\n")
 
 
 _COMPILE_EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",

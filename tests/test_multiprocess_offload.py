@@ -59,8 +59,9 @@ def _wait(proc: subprocess.Popen, what: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """(one-process record, its logits, {launch: ([each process's record], [[its logits per
-  budget]])}, {"one" | "two": generate.py's --json}). The five runs go at once, each on its own
-  store copies (a run rewrites its stores' usage statistics)."""
+  budget]])}, {"one" | "two": generate.py's --json}). The three driver runs go at once, then
+  the two of generate.py, each on its own store copies (a run rewrites its stores' usage
+  statistics)."""
   from glmjax.formats.synthetic import make_synthetic_store
   base = tmp_path_factory.mktemp("mp_offload")
   # The reference's store, and per launch one copy per process holding only the chunks that
@@ -91,12 +92,17 @@ def runs(tmp_path_factory):
   # whole store against two on their shares.
   gen = [os.path.join(ROOT, "scripts", "generate.py"), f"--host_cache_gb={host_gb}",
          "--prompt_ids=5,6,7", "--max_new_tokens=6"]
-  procs["gen_one"] = subprocess.Popen(
+  for name, proc in procs.items():
+    _wait(proc, name)
+  # After the drivers, whose steps (the suite's persistent cache) these two then load instead
+  # of compiling them again: the two processes of a launch compile the same programs at the
+  # same moment, so neither finds the other's.
+  procs = {"gen_one": subprocess.Popen(
       [sys.executable, gen[0], f"--model={base / 'gen_one'}", *gen[1:],
        f"--json={base / 'gen_one.json'}"], env=_env(), stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  procs["gen_two"] = _launch(1, gen[0], f"--model={base / 'gen_{process}'}", *gen[1:],
-                             "--mesh=expert:2", f"--json={base / 'gen_two.json'}")
+      stderr=subprocess.STDOUT, text=True),
+           "gen_two": _launch(1, gen[0], f"--model={base / 'gen_{process}'}", *gen[1:],
+                              "--mesh=expert:2", f"--json={base / 'gen_two.json'}")}
   for name, proc in procs.items():
     _wait(proc, name)
   with open(os.path.join(out["one"], "p0.json"), encoding="utf-8") as f:

@@ -18,6 +18,7 @@ Everything here is pure array code; which pages a row owns is the host's busines
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -89,15 +90,26 @@ def init_pool(cfg: Config, n_pages: int, layers, dtype=jnp.float32, index_dtype=
               page_size: int = PAGE_SIZE, sharding=None) -> list[LayerCache]:
   """Zeroed pools of `n_pages` pages (the null page included) for `layers`, on the first
   device or with `sharding` (a `NamedSharding`, replicated on a mesh)."""
-  device = jax.devices()[0] if sharding is None else sharding
   index_dtype = dtype if index_dtype is None else index_dtype
-
-  def layer(i):
+  specs = []  # (shape, dtype name) of each layer's latent, k_rope and index_k (or None)
+  for i in layers:
     s = layer_shapes(cfg, i)
-    z = lambda n, dt: jnp.zeros((n_pages, page_size, n), dt, device=device)
-    return LayerCache(latent=z(s["latent"], dtype), k_rope=z(s["k_rope"], dtype),
-                      index_k=z(s["index_k"], index_dtype) if s["index_k"] else None)
-  return [layer(i) for i in layers]
+    specs += [((n_pages, page_size, n), jnp.dtype(dt).name) if n else None
+              for n, dt in ((s["latent"], dtype), (s["k_rope"], dtype),
+                            (s["index_k"], index_dtype))]
+  flat = _zeros_on(sharding)(tuple(specs))
+  return [LayerCache(*flat[k:k + 3]) for k in range(0, len(flat), 3)]
+
+
+def _zeros(specs: tuple) -> list:
+  return [None if spec is None else jnp.zeros(*spec) for spec in specs]
+
+
+@functools.cache
+def _zeros_on(sharding):
+  """One program makes every pool of a cache (eager `jnp.zeros` compiled one per shape)."""
+  return jax.jit(_zeros, static_argnums=0,
+                 out_shardings=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def identity_pages(batch: int, pages_per_row: int):

@@ -301,9 +301,9 @@ class TieredProvider:
           self.host_expert(step, e, weights[e], miss_terms)
       if uploaded is not None and mine(uploaded[1]):
         parts.append(self.pool_terms(step, *uploaded, mine(uploaded[1]), self.kernel))
-      out = jnp.asarray(miss_terms)
+      out = miss_terms  # host arrays go to the jit as they are (`jnp.asarray` compiles per shape)
       for active, terms in parts:
-        out = merge_terms(jnp.asarray(active), terms, out)
+        out = merge_terms(active, terms, out)
       if self.mesh is not None:  # every owner's terms: pinned on its devices, host-held here
         out = self.mesh_terms(step, dev, mine(pinned), np.asarray(out))
       elif not parts:  # committed, as merge_terms' output is: the combine compiles once

@@ -128,8 +128,14 @@ class Steps:
     replicated over its mesh (with `batch`, split along `data` when that axis divides it)."""
     if self.mesh is None:  # committed to the device, as every step's output is: a jit compiles
       # once per mix of committed and uncommitted arguments (a void fused step's page table
-      # and length are its outputs), which an offloaded store's soak met as late compilations
-      return jax.device_put(jnp.asarray(x, dtype), jax.local_devices()[0])
+      # and length are its outputs), which an offloaded store's soak met as late compilations.
+      # A host value goes by `device_put`, which compiles nothing (`jnp.asarray` compiles a
+      # program per shape and dtype: each new page-table width or batch was one more).
+      if not isinstance(x, jax.Array):
+        x = np.asarray(x, dtype)
+      elif dtype is not None and x.dtype != dtype:
+        x = x.astype(dtype)
+      return jax.device_put(x, jax.local_devices()[0])
     from glmjax import sharding
     x = np.asarray(x, dtype)
     n = sharding.axis_size(self.mesh, "data")
