@@ -141,8 +141,14 @@ def collect(model, rows: list, batch: int, gram: bool, progress: bool = True,
         bar.update(int(valid.sum()))
       return acc.sums
 
-    sums = one_pass(model.weights)
     weights = model.weights
+    if passes > 1:  # float32 experts from the first pass on, as gptq_layer's are: one program
+      from glmjax.formats.quality import with_layer  # for all passes (bfloat16: one a pass)
+      for layer in moe_layers:
+        ex = weights.layers[layer].mlp.experts
+        weights = with_layer(weights, layer, type(ex)(gate_up=ex.gate_up.astype(jnp.float32),
+                                                      down=ex.down.astype(jnp.float32)))
+    sums = one_pass(weights)
     for r in range(1, passes):  # layer r's statistics from the pass after layer r-1 is quantized
       weights = gptq_layer(weights, moe_layers[r - 1], r - 1, sums, calibration.MIN_TOKENS,
                            bits, group_size)
