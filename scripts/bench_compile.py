@@ -11,7 +11,8 @@ on random weights, the persistent cache off and the in-memory caches cleared bef
 the first call's wall time. Reports medians and each depth's ratio to the first, side by side
 for the layer steps (each decoder layer one jitted `layer_step`: identical layers compile once,
 DESIGN.md §4), the same steps inlined into one program, and what the executor picks for the
-depth (`forward.entry_points`).
+depth (`forward.entry_points`). `--glm5_layers=4,8,24,77 --layers=` lowers and compiles the
+steps at GLM-5's dims instead, from abstract weights (nothing is allocated or run).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ flags.DEFINE_integer("prefill_tokens", 64, "Tokens of the prefill chunk.", lower
 flags.DEFINE_integer("capacity", 512, "Cache positions.", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "Rounds per depth (medians reported).", lower_bound=1)
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
+flags.DEFINE_list("glm5_layers", [], "Also at GLM-5's dims (abstract weights, bfloat16 dense, "
+                  "256 int4 experts a MoE layer; lowered and compiled, never run): these depths, "
+                  "each distinct layer's step once, and one program at depths up to 24.")
 flags.DEFINE_string("fused_stores", None, "Also time the offload engine's fused step: a tiny "
                     "store per depth (8 experts a layer) is made under this directory, every "
                     "expert held in the host cache, and a 13-token prompt generates 3 tokens "
@@ -105,11 +109,66 @@ def fused_rows(depths: list[int]) -> list[dict]:
   return rows
 
 
+def glm5_rows(depths: list[int]) -> list[dict]:
+  """Seconds to lower and compile a --prefill_tokens chunk and a decode step at GLM-5's dims
+  per depth: each distinct layer's `layer_step` once (what the executor compiles past
+  ONE_PROGRAM_LAYERS_PER_KIND), and the whole step as one program at depths up to 24."""
+  import dataclasses
+  import functools
+  from glmjax.formats.store import ExpertLayout
+  from glmjax.model.forward import Chunk, layer_step
+  from glmjax.model.quant import ExpertPool
+  rows = []
+  for d in depths:
+    cfg = Config.from_dict(synthetic_config("glm5", moe_layers=d - DENSE_LAYERS, mtp=False))
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+    w = jax.tree_util.tree_map(sds, weights.abstract(cfg, jnp.bfloat16, with_mtp=False),
+                               is_leaf=weights.is_info)
+    layout = ExpertLayout.make(cfg.hidden_size, cfg.moe_intermediate_size, 4, 64)
+    one = layout.unpack(np.zeros((1, layout.nbytes), np.uint8))
+    pool = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((cfg.n_routed_experts, *a.shape[1:]), a.dtype),
+        ExpertPool(one.gate_up, one.down))
+    w.layers = [lw if not hasattr(lw.mlp, "experts") else dataclasses.replace(
+        lw, mlp=dataclasses.replace(lw.mlp, experts=pool)) for lw in w.layers]
+    cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, 1, FLAGS.capacity))
+    row = {"layers": d}
+    for phase, width in (("prefill", FLAGS.prefill_tokens), ("decode", 1)):
+      x = jax.ShapeDtypeStruct((1, width, cfg.hidden_size), jnp.float32)
+      n_valid = jax.ShapeDtypeStruct((), jnp.int32) if phase == "prefill" else None
+      jax.clear_caches()  # JAX keeps compiled programs by their text: a depth before is no help
+      seen, selection, t0 = set(), None, time.perf_counter()
+      for i, lw in enumerate(w.layers):
+        args = (lw, Chunk(x, cache.length, n_valid, selection, cache.pages), cache.layers[i],
+                None)
+        key = (jax.tree_util.tree_structure(args), tuple(
+            (a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
+        if key not in seen:
+          seen.add(key)
+          layer_step.lower(*args, cfg=cfg).compile()
+        selection = jax.eval_shape(functools.partial(layer_step, cfg=cfg), *args)[0].selection
+      row[f"{phase}_layer_steps_s"] = time.perf_counter() - t0
+      row[f"{phase}_layer_programs"] = len(seen)
+      if d <= 24:
+        toks = jax.ShapeDtypeStruct((1, width), jnp.int32)
+        jax.clear_caches()
+        t0 = time.perf_counter()
+        if phase == "prefill":
+          ONE_PROGRAM["prefill"].lower(w, cache, toks, n_valid, cfg=cfg).compile()
+        else:
+          ONE_PROGRAM["decode"].lower(w, cache, toks, cfg=cfg).compile()
+        row[f"{phase}_one_program_s"] = time.perf_counter() - t0
+    rows.append(row)
+    print(f"GLM-5 dims   L={d:3d}  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()
+                                                  if k.endswith("_s")))
+  return rows
+
+
 def main(argv):
   del argv
   jax.config.update("jax_enable_compilation_cache", False)
   depths = [int(x) for x in FLAGS.layers]
-  if min(depths) <= DENSE_LAYERS:
+  if depths and min(depths) <= DENSE_LAYERS:
     raise app.UsageError(f"--layers must exceed the geometry's {DENSE_LAYERS} dense layers")
   models = {d: model_at(d) for d in depths}
   modes = {"layer_steps": lambda w: LAYER_STEPS, "one_program": lambda w: ONE_PROGRAM,
@@ -138,6 +197,8 @@ def main(argv):
     report[mode] = rows
   if FLAGS.fused_stores:
     report["fused_step"] = fused_rows(depths)
+  if FLAGS.glm5_layers:
+    report["glm5_dims"] = glm5_rows([int(x) for x in FLAGS.glm5_layers])
   write_report(report, FLAGS.json)
 
 
