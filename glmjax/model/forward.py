@@ -568,9 +568,9 @@ def distinct_layers(w: Weights) -> int:
   return len({kind(lw) for lw in w.layers})
 
 
-# The entry points as one program each, the layer steps inlined: a program has a common part
-# that each layer step compiled alone pays again, so one program compiles faster up to about
-# three layers per distinct layer (DESIGN.md §4).
+# The entry points as one program each, the layer steps inlined: XLA emits a kernel once per
+# program, so the layers inside one share kernels each layer step alone emits again; one
+# program compiles faster up to about three layers per distinct layer (DESIGN.md §4).
 ONE_PROGRAM_LAYERS_PER_KIND = 3
 ONE_PROGRAM = {
     "prefill": jax.jit(prefill_fn, static_argnames=("cfg", "runtime", "record", "hidden"),
