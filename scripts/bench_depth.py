@@ -10,7 +10,8 @@ on another prompt compiles, then a cold load runs the prompt with a live trace. 
 holds as many experts a MoE layer as --host_cache_gb_per_77_layers × L/77 GiB of GLM-5's.
 Phases: time by the generation loop's clocks, counters by a snapshot as the prefill returns, the
 trace at its first step. Limit (replay/limit.py): max(compute, Belady bytes / disk) per phase,
-decode's Belady the whole trace's minus the prefill's; compute: warm runs at W/2 and W layers.
+decode's Belady the whole trace's minus the prefill's; compute: warm runs at W/2 and W layers;
+disk: the best of 1, 2, 4 and 8 threads' median 128-chunk batch over the deepest store.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ flags.DEFINE_integer("prompt_tokens", 4, "Prompt length (ids 5, 6, ...).", lower
 flags.DEFINE_integer("max_new_tokens", 6, "Tokens generated (decode steps + 1).", lower_bound=2)
 flags.DEFINE_integer("warm_layers", 4, "Compute: warm runs at W/2 and W MoE layers.", lower_bound=2)
 cli.define_load_flags(only=("device_cache_gb", "io_workers", "prefetch"),
-                      defaults={"device_cache_gb": 0.0}, notes={"io_workers": "Also the probe's."})
+                      defaults={"device_cache_gb": 0.0})
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
 flags.DEFINE_string("png", None, "PNG of the ratios against depth (default: next to --json).")
 flags.DEFINE_integer("one_depth", None, "(internal) measure this depth into --piece.")
@@ -63,7 +64,7 @@ flags.DEFINE_string("piece", None, "(internal) a child process's JSON output.")
 
 COUNTERS = ("expert_misses", "expert_host_hits", "expert_pin_hits", "expert_bytes_read",
             "prefetch_issued", "prefetch_useful", "prefetch_late", "prefetch_wasted",
-            "prefetch_dropped", "io_service_s", "io_wait_s")
+            "prefetch_dropped", "io_service_s", "io_wait_s", "pilot_hits", "pilot_predicted")
 GLM5_CHUNK = 20_054_016  # bytes of a GLM-5 expert: ExpertLayout.make(6144, 2048, 4, 64)
 
 
@@ -169,15 +170,13 @@ def _plot(report: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax, ds = *plt.subplots(figsize=(6, 4)), report["depths"]
+  fig, ax, ds = *plt.subplots(figsize=(6, 4)), report["depths"]  # one line a phase
   for phase in ("decode", "prefill"):
     ax.plot([d["moe_layers"] for d in ds], [d[f"{phase}_ratio"] for d in ds], "o-", label=phase)
   ax.axhline(1.3, color="0.5", ls="--", label="1.3")
   ax.set(xlabel="MoE layers", ylabel="measured / physical limit", ylim=(0, None),
          xticks=[d["moe_layers"] for d in ds], title=f"cold offloaded, {report['geometry']} stores")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  ax.legend(), fig.tight_layout(), fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
@@ -190,8 +189,7 @@ def main(argv):
     out = (_one_depth(FLAGS.one_depth) if FLAGS.one_depth is not None
            else _compute([int(w) for w in FLAGS.compute_depths]))
     with open(FLAGS.piece, "w", encoding="utf-8") as f:
-      json.dump(out, f)
-    return
+      return json.dump(out, f)
   layers = sorted({int(l) for l in FLAGS.layers})
   warm = sorted({FLAGS.warm_layers // 2, FLAGS.warm_layers})
   for l in sorted(set(layers) | set(warm)):
@@ -202,7 +200,8 @@ def main(argv):
     geo = store_geometry(_store(l))
     if (geo["moe_layers"], geo["experts"]) != (l, FLAGS.experts):
       raise app.UsageError(f"{_store(l)}: not a store of {l} MoE layers × {FLAGS.experts}")
-  disk = disk_read_gbs(_store(layers[0]), FLAGS.io_workers)
+  probes = [disk_read_gbs(_store(layers[-1]), w, batch=128) for w in (1, 2, 4, 8)]
+  disk = max(probes, key=lambda p: p["disk_gbs"])  # the disk's rate, whatever the engine's threads
   with tempfile.TemporaryDirectory(prefix="bench_depth.") as work:
     warm_runs = _child(work, f"--compute_depths={','.join(map(str, warm))}")
     depths = [_child(work, f"--one_depth={l}") for l in layers]
@@ -237,7 +236,8 @@ def main(argv):
           "geometry", "experts", "vocab_size", "prompt_tokens", "max_new_tokens",
           "device_cache_gb", "host_cache_gb_per_77_layers", "io_workers", "prefetch")},
       "dense_bits": int(FLAGS.dense_bits), "compute": {"warm_runs": warm_runs, "fit": fit},
-      "disk": {**disk, "store": _store(layers[0]), "scope": "once, on the shallowest store"},
+      "disk": {**disk, "store": _store(layers[-1]), "scope": "every chunk of the deepest store",
+               "by_workers": {p["workers"]: p["disk_gbs"] for p in probes}},
       "depths": depths}
   png = FLAGS.png or (os.path.splitext(FLAGS.json)[0] + ".png" if FLAGS.json else None)
   if png:

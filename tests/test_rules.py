@@ -110,3 +110,57 @@ def test_only_the_reads_the_last_landing_held_expire():
   assert (stats["prefetch_wasted"], stats["prefetch_useful"], stats["prefetch_issued"]) == (1, 1, 6)
   ledger.hold([(0, 3)])  # the next landing replaces the held set
   assert ledger.expire(1) == [] and [k for k, _ in ledger.expire(0)] == [(0, 3)]
+
+
+def _couple_reference(table, union, k):
+  """couple_top as loops in float64: a pair counts when seen COUPLE_MIN times and its count is
+  COUPLE_LIFT times and COUPLE_SIGMA Poisson deviations above row total × column total / total;
+  the next-layer experts by their counted pairs' sum, the k highest, ties by the lower id."""
+  n = len(table)
+  total = float(sum(map(sum, table)))
+  if total == 0:
+    return []
+  scores = []
+  for b in range(n):
+    score = 0.0
+    for a in union:
+      expected = sum(table[a]) * sum(table[r][b] for r in range(n)) / total
+      c = table[a][b]
+      if (c >= rules.COUPLE_MIN and c >= rules.COUPLE_LIFT * expected
+          and c - expected >= rules.COUPLE_SIGMA * expected ** 0.5):
+        score += c
+    if score > 0:
+      scores.append((-score, b))
+  return [b for _, b in sorted(scores)[:k]]
+
+
+def test_couple_hints_only_associated_experts():
+  """Counts learned from independent routing (top-8 of 16, as the depth stores route, and of
+  256, GLM-5's) hint nothing, however many tokens; with 64 planted pairs (GLM-5's width, the
+  partner follows half the times), only partners of the union's experts are hinted, and most
+  are; and the rule equals its float64 loop reference on random tables."""
+  rng = np.random.default_rng(0)
+  for e, seen in ((16, (5, 100, 1000)), (256, (100, 1000, 2000))):
+    table = np.zeros((e, e), np.int64)
+    for n in range(1, seen[-1] + 1):
+      rules.learn_couple(table, rng.choice(e, 8, replace=False), rng.choice(e, 8, replace=False))
+      if n in seen:
+        assert not any(rules.couple_top(table, rng.choice(e, 8, replace=False), 8)
+                       for _ in range(40)), (e, n)
+  partner = {e: (e * 37 + 11) % 256 for e in range(0, 256, 4)}
+  table, hinted, wanted = np.zeros((256, 256), np.int64), 0, 0
+  for n in range(3000):
+    prev = rng.choice(256, 8, replace=False)
+    if n >= 2000:
+      hints = set(rules.couple_top(table, prev, 8))
+      assert hints <= {partner[e] for e in prev if e in partner}
+      hinted, wanted = hinted + len(hints), wanted + sum(e in partner for e in prev)
+    forced = {partner[e] for e in prev if e in partner and rng.random() < 0.5}
+    rest = [e for e in rng.permutation(256) if e not in forced][:8 - len(forced)]
+    rules.learn_couple(table, prev, np.asarray(sorted(forced | set(rest))))
+  assert hinted >= 0.9 * wanted > 0
+  for _ in range(50):
+    t = rng.integers(0, 60, (8, 8)) * (rng.random((8, 8)) < 0.3) + rng.integers(0, 3, (8, 8))
+    u = rng.choice(8, int(rng.integers(1, 5)), replace=False)
+    assert rules.couple_top(t, u, 3) == _couple_reference(t.tolist(), u.tolist(), 3)
+  assert rules.couple_top(np.zeros((4, 4)), [0, 1], 2) == []

@@ -2,13 +2,12 @@
 pools and the host slab, addressed through slot tables), for a step whose experts are (probably)
 all held, with no host round trip per layer: each decoder layer one jitted `fused_layer`, shared
 by identical layers, or for a shallow model all of them inlined into one program (the resident
-rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own rules
-(`TierRules.lookup` and `TierRules.admit`), applied after the step from its routing record.
+rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own
+(`TierRules.lookup`, then `TierRules.fold`), applied after the step from its routing record.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -25,6 +24,7 @@ from glmjax.model.moe import pool_terms
 from glmjax.model.weights import Weights
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement
+from glmjax.offload.rules import LayerUse
 from glmjax.offload.tiers import Tiers
 from glmjax.runtime import compile_cache
 from glmjax.runtime.clock import CompileClock
@@ -205,9 +205,8 @@ class FusedStep:
     self.tiers.heat.decay()  # the step's own decay, after its uses, as a settled step has it
 
   def _bookkeeping(self, ids_all: np.ndarray, valid: np.ndarray) -> None:
-    """A fused step's tier bookkeeping: per MoE layer in union order, the lookups, counters,
-    heat, LRU recency and pin admissions of the layer steps (the shared `TierRules.lookup` and
-    `TierRules.admit`).
+    """A fused step's tier bookkeeping: per MoE layer in union order, the lookups of the layer
+    steps (`TierRules.lookup`), then its record folded in as theirs is (`TierRules.fold`).
 
     Fused steps predict nothing: a pilot or co-activation hint computed after the step would
     name the experts the step has just been served. Prefetches issued by earlier layer steps
@@ -216,10 +215,8 @@ class FusedStep:
     pf = self.prefetcher
     if pf.inflight:  # lands into free room only: nothing the step used is evicted
       pf.land()
-    n = collections.Counter()
     for layer, union in zip(self.moe_layers, unions):
       pf.pilot_pred.pop(layer, None)
-      self.tiers.heat.use(layer, union)
       pinned, cached, missing = self.tiers.lookup(layer, union)
       if missing:  # admissions copy slab → pin and landings only fill free room: never evicted
         raise RuntimeError(f"internal: layer {layer} expert {missing[0]} served by a fused step "
@@ -227,13 +224,5 @@ class FusedStep:
       if pf.inflight:
         pf.expire(layer)
       pf.ledger.used([(layer, e) for e in union])
-      n["used"] += len(union)
-      n["pinned"] += len(pinned)
-      n["cached"] += len(cached)
-      self.tiers.admit(layer, union, cached)  # from their host slab slots
-    on_device = self.placement.place(n["cached"])
-    self.stats["experts_used"] += n["used"]
-    self.stats["expert_pin_hits"] += n["pinned"]
-    self.stats["expert_host_hits"] += n["cached"]
-    self.stats["experts_on_device"] += n["pinned"] + (n["cached"] if on_device else 0)
-    self.stats["experts_on_host"] += 0 if on_device else n["cached"]
+      self.tiers.fold(LayerUse(layer, union, union, pinned, cached, [],
+                               on_device=self.placement.place(len(cached))))

@@ -5,14 +5,15 @@ Per MoE layer step (`TieredProvider.tiered`):
   1. the jitted attention + route step gives the top-k ids `[T, K]`; the host reads them (the
      one round trip per MoE layer) and forms the union of experts the real tokens chose
      (padding never routes);
-  2. `account`: the tiers' lookups (`TierRules.lookup`), counters and the prefetcher's turn;
+  2. `account`: the tiers' lookups (`TierRules.lookup`) and the prefetcher's turn;
      every miss is submitted to the I/O threads at once (a queued prefetch of the same expert
      is promoted to demand priority);
   3. `compute`, grouped: each needed expert is applied once to all the tokens that chose it.
      Pinned experts first, then host-cached ones, then each miss as its read lands, so
      computing one miss overlaps reading the next;
-  4. tier bookkeeping (`TierRules.settle`: host-cache inserts, admission to the pin pool) runs
-     at the end of the step in union order, never in completion order;
+  4. the step's record (`LayerUse`) is folded into the tiers and counters (`TierRules.fold`:
+     heat, counters, host-cache inserts, admission to the pin pool) at the end of the step in
+     union order, never in completion order;
   5. the jitted finish step combines the terms in rank order with the shared expert.
 """
 
@@ -34,6 +35,7 @@ from glmjax.model.layers import F32, rms_norm
 from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE
 from glmjax.offload.prefetch import Prefetcher
+from glmjax.offload.rules import LayerUse
 from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device
 
 
@@ -197,8 +199,10 @@ class TieredProvider:
         None if stats[0] is None else np.concatenate(stats),
         None if pilots[0] is None else np.concatenate(pilots))
     self.stage("bookkeeping", t0)
+    use = LayerUse(layer, union, owned, pinned, cached, [e for e in owned if e not in pinned
+                                                                and e not in cached])
     try:
-      yield from self.compute(layer, steps, owned, pinned, cached, futures)
+      yield from self.compute(use, steps, futures)
     except ExpertIOError as e:  # named, and blamed on the rows that routed to the expert
       raise attributed(e, steps, [r.x.shape[1] for r in chunks]) from e
 
@@ -214,10 +218,10 @@ class TieredProvider:
     return now
 
   def account(self, layer: int, union: list[int], owned: list[int], valid, route_stats, pilot):
-    """A layer step's tier lookups and counters over `owned` (the experts of `union` this
+    """A layer step's tier lookups over `owned` (the experts of `union` this
     process owns; all of them in one process), in union order: (pinned, host-cached, miss
     futures). Every miss is submitted to the I/O threads here, at once, unless a prefetch of
-    it is under way (`Prefetcher.take`). Heat and co-activation learn from the whole `union`,
+    it is under way (`Prefetcher.take`). Co-activation (and heat, in the fold) learn from the whole `union`,
     which every process sees, so they are the same in every process."""
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
       swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[valid].sum(axis=0))
@@ -225,8 +229,6 @@ class TieredProvider:
       self.stats["route_overlap_sum"] += overlap
       self.stats["route_kl_sum"] += kl
       self.stats["route_tokens"] += int(valid.sum())
-    self.tiers.heat.use(layer, union)
-    self.stats["experts_used"] += len(owned)
     pf = self.prefetcher
     if pf.enabled and not pf.paused:  # a precompile step leaves the tiers alone
       pf.land()
@@ -241,30 +243,25 @@ class TieredProvider:
       pf.expire(layer)
     if pf.predicting:
       pf.predict(layer, union, self.next_moe(layer), pilot)
-    self.stats["expert_pin_hits"] += len(pinned)
-    self.stats["expert_host_hits"] += len(cached)
-    self.stats["expert_misses"] += len(futures)
-    self.stats[f"misses_layer_{layer}"] += len(futures)
     return pinned, cached, futures
 
-  def compute(self, layer: int, steps: list[LayerStep], union, pinned, cached, futures):
-    """Grouped compute of one layer's chunks (`steps`), yielding each chunk's terms; the tiers
-    are updated after the last, in union order.
+  def compute(self, use: LayerUse, steps: list[LayerStep], futures):
+    """Grouped compute of one layer's chunks (`steps`) as `use` (its lookups) says, yielding
+    each chunk's terms; the step is folded into the tiers after the last (`TierRules.fold`).
 
     Pinned experts run as one kernel call per chunk over the pin pool, host-cached ones as one
     call over the host slab (or uploaded, under device placement on an accelerator), and each
     miss on its own: in the first chunk as its read lands, so computing one miss overlaps
     reading the next; later chunks find every read landed."""
     t_compute, wait0 = time.perf_counter(), self.reader.wait_s
-    place = self.placement
+    layer, pinned, cached, place = use.layer, use.pinned, use.cached, self.placement
     dev = self.tiers.device.get(layer)
     layout = self.store.layout(layer)
     # On a mesh whatever is not pinned runs on the host (the CPU kernel), never uploaded.
-    on_device = self.mesh is None and place.place(len(cached) + len(futures))
+    use.on_device = self.mesh is None and place.place(len(cached) + len(futures))
     # A CPU-only machine has no bus to cross: "device" placement computes where the bytes are,
     # with the same kernel (it is still counted as device placement).
-    upload = on_device and not place.on_cpu
-    self.stats["experts_on_device"] += len(pinned)
+    upload = use.on_device and not place.on_cpu
     slab = self.tiers.slabs.slab(layer) if cached else None
     slots = {e: self.tiers.slabs.where[(layer, e)][1] for e in cached}
     arrived, weights = {}, {}  # the misses' bytes and unpacked views, until bookkeeping
@@ -294,8 +291,6 @@ class TieredProvider:
         if upload:
           uploaded = place.upload(layer, {**{e: slab.weights(slots[e])
                                              for e in cached}, **weights})
-        self.stats["experts_on_device" if on_device else "experts_on_host"] += (
-            len(cached) + len(arrived))
       elif not upload:
         for e in mine(weights):
           self.host_expert(step, e, weights[e], miss_terms)
@@ -314,8 +309,8 @@ class TieredProvider:
       yield out
     t0 = time.perf_counter()
     # Tier bookkeeping in union order, whatever order the reads completed in (the rule is
-    # TierRules.settle, shared with the simulator).
-    self.tiers.settle(layer, union, pinned, arrived, (arrived, weights))
+    # TierRules.fold, shared with the fused step and the simulator).
+    self.tiers.fold(use, (arrived, weights))
     self.stage("bookkeeping", t0)
 
   def host_expert(self, step: LayerStep, e: int, w: ExpertWeights, out: np.ndarray) -> None:

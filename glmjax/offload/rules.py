@@ -17,6 +17,7 @@ Bookkeeping over keys only (no bytes, threads or files):
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 
@@ -24,6 +25,16 @@ import numpy as np
 # exceeds the incumbent's by 25% plus 4 uses, so two near-equal experts never ping-pong.
 REPIN_RATIO = 1.25
 REPIN_MARGIN = 4.0
+# A co-activation pair predicts only when seen COUPLE_MIN times and its count beats
+# independence's (from the pair's row and column totals) by COUPLE_LIFT times (GLM-5's median
+# pair: 1.8×, colibri's trace study) and by COUPLE_SIGMA Poisson deviations: a table holds
+# 65,536 pairs at GLM-5's width, and over 1,000-3,000 tokens of independent top-8-of-256
+# routing 4 deviations let ~1 chance pair a union through, 6 about 0.08 a table, 7 none in 12.
+# Routing with no pair structure (the synthetic stores) then hints nothing; there the top-k
+# were 8.6% of a 77-layer decode's reads, all wasted (DESIGN.md §17).
+COUPLE_MIN = 12
+COUPLE_LIFT = 1.5
+COUPLE_SIGMA = 7.0
 
 
 def layer_quotas(budget: int, layers, chunk: int, cap: int) -> tuple[dict, int]:
@@ -190,6 +201,19 @@ def lfru_admissions(pins: PinSlots, heat, union, candidates):
     yield e, cold[0], True
 
 
+@dataclasses.dataclass
+class LayerUse:
+  """One MoE layer's step as it was served: the record that the layer steps, the fused step
+  and the simulator's engine policy each hand to `TierRules.fold`. Lists in union order."""
+  layer: int
+  union: list  # every expert the step routed to (heat learns from all of them)
+  owned: list  # those this process serves (on a mesh its share; else the union)
+  pinned: list  # served by the pin pool
+  cached: list  # served by the host cache
+  missed: list  # read from the store
+  on_device: bool = False  # whether the host-held experts ran on the device (`Placement`)
+
+
 class TierRules:
   """The two cache tiers' rules over bookkeeping alone: a pin pool per MoE layer (`pins`,
   layer → `PinSlots` or a pool shaped like one), the host LRU (`host`) and LFRU heat (`heat`,
@@ -218,6 +242,21 @@ class TierRules:
       else:
         missing.append(e)
     return pinned, cached, missing
+
+  def fold(self, use: LayerUse, data=None) -> None:
+    """A served step's record into the tiers and counters, in union order: the heat of its
+    whole union, the tier counters of its own experts, then `settle`. The one place a layer
+    step's bookkeeping happens, whichever path served it."""
+    self.heat.use(use.layer, use.union)
+    held, s = len(use.cached) + len(use.missed), self.stats
+    s["experts_used"] += len(use.owned)
+    s["expert_pin_hits"] += len(use.pinned)
+    s["expert_host_hits"] += len(use.cached)
+    s["expert_misses"] += len(use.missed)
+    s[f"misses_layer_{use.layer}"] += len(use.missed)
+    s["experts_on_device"] += len(use.pinned) + (held if use.on_device else 0)
+    s["experts_on_host"] += 0 if use.on_device else held
+    self.settle(use.layer, use.owned, use.pinned, use.missed, data)
 
   def settle(self, layer: int, union, pinned, missed, data=None) -> None:
     """A layer step's tier updates once it has been served, in union order whatever order its
@@ -378,10 +417,18 @@ def pilot_union(ids, take=None, group=None):
 
 
 def couple_top(table, union, k: int) -> list[int]:
-  """Co-activation prediction: the `k` next-layer experts most often used with this layer's
-  `union` (`table` `[E, E]`: counts this layer's expert → the next layer's), ties by the lower
-  id, none that was never used with it."""
-  score = table[union].sum(axis=0)
+  """Co-activation prediction: the `k` next-layer experts with the most counts with this
+  layer's `union` (`table` `[E, E]`: counts this layer's expert → the next layer's), ties by
+  the lower id, counting only the pairs associated beyond chance (`COUPLE_MIN`,
+  `COUPLE_LIFT`, `COUPLE_SIGMA`)."""
+  total = float(table.sum())
+  if total <= 0:
+    return []
+  rows = np.asarray(table[union], np.float64)  # [U, E]
+  expected = np.outer(table.sum(axis=1)[union], table.sum(axis=0)) / total  # [U, E]
+  kept = ((rows >= COUPLE_MIN) & (rows >= COUPLE_LIFT * expected)
+          & (rows - expected >= COUPLE_SIGMA * np.sqrt(expected)))
+  score = np.where(kept, rows, 0.0).sum(axis=0)  # [E]
   return [int(e) for e in np.argsort(-score, kind="stable")[:k] if score[e] > 0]
 
 

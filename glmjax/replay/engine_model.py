@@ -11,7 +11,8 @@ from __future__ import annotations
 
 
 from glmjax.errors import InputError
-from glmjax.offload.rules import HostCache, PinSlots, TierRules, layer_quotas, lfru_admissions
+from glmjax.offload.rules import (HostCache, LayerUse, PinSlots, TierRules, layer_quotas,
+                                  lfru_admissions)
 from glmjax.offload.tiers import Heat
 from glmjax.replay.policies import Policy, register
 from glmjax.replay.trace import Trace
@@ -68,24 +69,19 @@ def simulate_engine(trace: Trace, *, device_cache_gb: float | None = None,
     for l in pins:
       for s, e in enumerate(heat.hottest(l, slots, n_exp)):
         pins[l].assign(e, s)
-  c = dict(pin_hits=0, host_hits=0, misses=0)
   rules = TierRules(pins, host, heat, chunk)  # the engine's lookups and end-of-step updates
   all_resident = slots == n_exp
   for unions in trace.step_unions(per_token):
     for layer, union in zip(layers, unions):
       union = [int(e) for e in union]
       if all_resident:  # the engine runs one jit and counts nothing; every use is pinned
-        c["pin_hits"] += len(union)
+        rules.stats["expert_pin_hits"] += len(union)
         continue
-      heat.use(layer, union)
-      pinned, cached, missed = rules.lookup(layer, union)
-      c["pin_hits"] += len(pinned)
-      c["host_hits"] += len(cached)
-      c["misses"] += len(missed)
-      rules.settle(layer, union, pinned, missed)
+      rules.fold(LayerUse(layer, union, union, *rules.lookup(layer, union)))
     if not all_resident:
       heat.decay()
-  c["repins"] = rules.stats["repins"]
+  c = {name: rules.stats[key] for name, key in (("pin_hits", "expert_pin_hits"), (
+      "host_hits", "expert_host_hits"), ("misses", "expert_misses"), ("repins", "repins"))}
   hits = c["pin_hits"] + c["host_hits"]
   requests = hits + c["misses"]
   return {**c, "policy": "engine", "hits": hits, "requests": requests,
