@@ -134,7 +134,8 @@ def side_hit_rate(recs: list[dict]) -> float:
 
 def offload_side(processes: int, tmp: str) -> list[dict]:
   """Runs one side (1 process, or 2 through launch_local) and returns each process's record."""
-  from glmjax.offload.engine import COUPLE_FILE, USAGE_FILE
+  from glmjax.offload.engine import USAGE_FILE
+  from glmjax.offload.prefetch import COUPLE_FILE
   for name in (USAGE_FILE, COUPLE_FILE):  # both sides start unlearned
     if os.path.exists(os.path.join(FLAGS.offload, name)):
       os.remove(os.path.join(FLAGS.offload, name))

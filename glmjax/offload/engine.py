@@ -55,12 +55,12 @@ from glmjax.offload.pinning import pin_device_tier
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement, TieredProvider
 from glmjax.offload.rules import HostCache, layer_quotas
+from glmjax.offload.shared import EngineShared
 from glmjax.offload.tiers import Heat, HostSlabs, Tiers
 from glmjax.options import Options
 from glmjax.sharding import axis_size
 
 USAGE_FILE = "usage.json"
-COUPLE_FILE = "couple.npy"
 PLACEMENTS = ("auto", "device", "host")
 READ_LOG = 1 << 16  # reads the engine's read log keeps (~5 MB)
 
@@ -153,33 +153,28 @@ class OffloadEngine:
                        Heat.load(self.usage_path), self.chunk_bytes, self.stats)
     if self.owners is not None:
       self.tiers.owned = self.owners.owned
+    shared = EngineShared(cfg, dense, store, self.tiers, self.reader, self.stats,
+                          self.moe_layers, mesh)
     mtp = [cfg.num_hidden_layers] if dense.mtp else []
-    pin_device_tier(self.tiers, store, self.reader, self.moe_layers, e, self.slots, dev_slots,
-                    self.all_resident, mtp, mesh, o.progress)
+    pin_device_tier(shared, self.slots, dev_slots, self.all_resident, mtp, o.progress)
     # Prefetch: only worth it when a landed expert has somewhere to stay.
-    self.prefetcher = Prefetcher(
-        self.tiers, self.reader, store, self.stats, self.moe_layers, e,
-        os.path.join(store.path, COUPLE_FILE), n_layers,
-        o.prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
-        o.pilot_k, o.couple_k)
-    self.placement = Placement(o.expert_compute, jax.default_backend() == "cpu", store,
-                               self.stats)
-    self.provider = TieredProvider(cfg, dense, store, self.tiers, self.prefetcher, self.reader,
-                                   self.placement, self.stats, resolve_kernel(o.moe_kernel), mesh,
-                                   self.owners)
-    # The fused step needs every expert in CPU memory addressable by slot and exact routing;
-    # on a mesh it is off (its pin pools are one-device): steps run layer by layer.
-    self.fused_step = FusedStep(
-        cfg, dense, self.tiers, self.prefetcher, self.placement, self.stats, self.layout,
-        self.moe_layers, self.runtime,
-        enabled=(self.placement.on_cpu and cache_route is None and not self.all_resident
-                 and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1),
-        unit=o.compile_unit)
+    fused_on = (jax.default_backend() == "cpu" and cache_route is None and not self.all_resident
+                and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1)
     # A host cache that can hold every routed expert of the main layers is filled in the
     # background (FILL priority, hottest first), so that steps end up fused and never miss.
     unpinned = len(self.moe_layers) * (e - self.slots)
-    self.prefetcher.filling = (self.prefetcher.enabled and self.fused_step.enabled
-                               and unpinned > 0 and host.budget >= unpinned * self.chunk_bytes)
+    self.prefetcher = Prefetcher(
+        shared, o.prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
+        o.pilot_k, o.couple_k,
+        fill=fused_on and unpinned > 0 and host.budget >= unpinned * self.chunk_bytes)
+    self.placement = Placement(o.expert_compute, jax.default_backend() == "cpu", store,
+                               self.stats)
+    self.provider = TieredProvider(shared, self.prefetcher, self.placement,
+                                   resolve_kernel(o.moe_kernel), self.owners)
+    # The fused step needs every expert in CPU memory addressable by slot and exact routing
+    # (`fused_on`); on a mesh it is off (its pin pools are one-device): steps run layer by layer.
+    self.fused_step = FusedStep(shared, self.prefetcher, self.placement, self.runtime,
+                                enabled=fused_on, unit=o.compile_unit)
 
   def _max_host_slots(self, host: HostCache):
     """Slots a host slab of a layout may hold: the shares of the layers in that layout, each at
@@ -291,17 +286,10 @@ class OffloadEngine:
     keep, rank = self.cache_route
     return Routing(resident=jnp.asarray(mask), keep=keep, rank=rank)
 
-  def _start_step(self, fill: bool) -> bool:
-    """A forward's start: whether every expert is held (returned). With every expert held
-    there is nothing to fetch: prediction (pilot, co-activation learning and their
-    statistics) pauses rather than cost time per layer; otherwise the host fill (`fill`)
-    queues what it has room for."""
-    pf = self.prefetcher
-    pf.prev_union = None
+  def _start_step(self) -> bool:
+    """A forward's start (`Prefetcher.start_step`): whether every expert is held."""
     all_cached = self.tiers.all_cached(self.moe_layers)
-    pf.predicting = pf.enabled and not all_cached
-    if fill and pf.filling and not all_cached:
-      pf.fill_host()
+    self.prefetcher.start_step(all_cached)
     return all_cached
 
   @peer_guarded
@@ -313,12 +301,12 @@ class OffloadEngine:
     (a list), each MoE layer's routing record (`route_record`) is appended to it. With
     `expert_cap`, each MoE layer routes the step within that many experts (lossy, opt-in)."""
     self.settle()
-    dry = self.prefetcher.paused
-    all_cached = self._start_step(fill=not dry)
+    precompiling = self.prefetcher.paused
+    all_cached = self._start_step()
     if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
       tokens = jnp.asarray(tokens, jnp.int32)
     out = None
-    if (record is None and self.stage_s is None and expert_cap is None and not dry
+    if (record is None and self.stage_s is None and expert_cap is None and not precompiling
         and self.fused_step.worth_trying(tokens.size, all_cached)):
       out, cache = self.fused_step.run(tokens, cache, absorbed, n_valid, sure=all_cached)
     if out is None:
@@ -333,9 +321,9 @@ class OffloadEngine:
       except ExpertIOError as e:
         e.kv = self._salvaged(cache, kept)
         raise
-      if not dry:
-        self.fused_step.ready = self.stats["expert_misses"] == misses
-    if not self.all_resident and self.fused_step.unsettled is None and not dry:
+      if not precompiling:
+        self.fused_step.after_layer_steps(self.stats["expert_misses"] > misses)
+    if not self.all_resident and not self.fused_step.deferred and not precompiling:
       self.heat.decay()  # else settle() decays, after the uses
     return out
 
@@ -353,7 +341,7 @@ class OffloadEngine:
                                  record_opts=record_opts)
       return [x], cache
     self.settle()
-    self._start_step(fill=True)
+    self._start_step()
     misses = self.stats["expert_misses"]
     experts = self._experts(record, record_opts)
     start, offsets = int(cache.length), np.cumsum([0] + [c.shape[1] for c in chunks[:-1]])
@@ -376,7 +364,7 @@ class OffloadEngine:
       except ExpertIOError as e:
         e.kv = self._salvaged(cache, kept)
         raise
-    self.fused_step.ready = self.stats["expert_misses"] == misses
+    self.fused_step.after_layer_steps(self.stats["expert_misses"] > misses)
     if not self.all_resident:
       self.heat.decay()
     return [p.x for p in pieces], KVCache(new, cache.pages, cache.length)
@@ -417,26 +405,25 @@ class OffloadEngine:
     the fused-step state are left as they were. Returns the new cache (`cache` is donated);
     its rows hold nothing valid."""
     self.settle()
-    pf = self.prefetcher
-    saved = (collections.Counter(self.stats), self.fused_step.ready, pf.prev_union)
+    saved = collections.Counter(self.stats)
     # a batch step may be tried fused at any width (all its experts cached), a prefill chunk
     # only when it is narrow enough for a guess (FusedStep.worth_trying)
     fused = self.fused_step.enabled and (n_valid is None or tokens.size <= FUSED_GUESS_TOKENS)
     n_valid = np.zeros(tokens.shape[0], np.int32) if n_valid is None else n_valid
-    pf.paused = True  # no fill, no landing or expiry, no fused attempt, no heat decay
+    # paused: no fill, landing, expiry or learning; forward then tries nothing fused, leaves
+    # the fused step's readiness and the heat as they were
     try:
-      _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
-      if fused:
-        compiled, args = self.fused_step.executable(jnp.asarray(tokens, jnp.int32), cache,
-                                                    absorbed, n_valid)
-        cache = compiled(*args)[2]
-        # after a void fused attempt the layer steps take the fused step's cache
+      with self.prefetcher.pause():
         _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
+        if fused:
+          compiled, args = self.fused_step.executable(jnp.asarray(tokens, jnp.int32), cache,
+                                                      absorbed, n_valid)
+          cache = compiled(*args)[2]
+          # after a void fused attempt the layer steps take the fused step's cache
+          _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
     finally:
-      pf.paused = False
       self.stats.clear()  # in place: the parts share this Counter
-      self.stats.update(saved[0])
-      self.fused_step.ready, pf.prev_union = saved[1:]
+      self.stats.update(saved)
     return cache
 
   @peer_guarded

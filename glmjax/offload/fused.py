@@ -25,7 +25,7 @@ from glmjax.model.weights import Weights
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.provider import Placement
 from glmjax.offload.rules import LayerUse
-from glmjax.offload.tiers import Tiers
+from glmjax.offload.shared import EngineShared
 from glmjax.runtime import compile_cache
 from glmjax.runtime.clock import CompileClock
 
@@ -101,19 +101,29 @@ class FusedStep:
   1024-token attempt cost 0.3 s). A step run while every expert is held cannot miss: it returns
   without waiting for its record, which is settled (`unsettled`) at the engine's next call."""
 
-  def __init__(self, cfg: Config, dense: Weights, tiers: Tiers, prefetcher: Prefetcher,
-               placement: Placement, stats, layout, moe_layers: list[int], runtime: Runtime,
-               enabled: bool, unit: str = "auto"):
-    self.cfg, self.dense, self.tiers, self.prefetcher = cfg, dense, tiers, prefetcher
-    self.placement, self.stats, self.layout, self.moe_layers = placement, stats, layout, moe_layers
-    self.runtime, self.enabled = runtime, enabled
+  def __init__(self, shared: EngineShared, prefetcher: Prefetcher, placement: Placement,
+               runtime: Runtime, enabled: bool, unit: str = "auto"):
+    self.cfg, self.dense, self.tiers, self.stats = (shared.cfg, shared.dense, shared.tiers,
+                                                    shared.stats)
+    self.moe_layers, self.layout = shared.moe_layers, shared.store.layout(shared.moe_layers[0])
+    self.prefetcher, self.placement, self.runtime, self.enabled = (prefetcher, placement, runtime,
+                                                                   enabled)
     self.ready = False
     self.unsettled = None  # (record, tokens, valid) of a step returned before its bookkeeping
     self._compiled: dict = {}
     self._zero = fresh_start()  # a cache-less fused step's start (see forward)
     self._tables = None  # (host copy, device rows) of the pin and host slot tables
     # one program, or a jitted step per layer (`unit`: Options.compile_unit)
-    self.one_program = entry_points(dense, unit) is ONE_PROGRAM
+    self.one_program = entry_points(self.dense, unit) is ONE_PROGRAM
+
+  @property
+  def deferred(self) -> bool:
+    """A step ran with its bookkeeping deferred to `settle`."""
+    return self.unsettled is not None
+
+  def after_layer_steps(self, missed: bool) -> None:
+    """A step ran layer by layer: a short step is tried fused next time if it missed nothing."""
+    self.ready = not missed
 
   def worth_trying(self, n_tokens: int, all_cached: bool) -> bool:
     """Whether a step of `n_tokens` tokens is tried fused."""

@@ -11,18 +11,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from glmjax.model.quant import ExpertPool
+from glmjax.offload.shared import EngineShared
 from glmjax.offload.tiers import DevicePool, MeshPins, Tiers, empty_pool
 from glmjax.sharding import axis_size
 
 
-def pin_device_tier(tiers: Tiers, store, reader, moe_layers: list[int], n_experts: int,
-                    slots: int, dev_slots: int, all_resident: bool, mtp_layers: list[int],
-                    mesh, progress: bool) -> None:
-  """Fills `tiers.device`: `slots` experts per MoE layer (on a mesh `dev_slots` per device
-  of the `expert` axis, each of the experts that device owns). `mtp_layers`: the MTP block's
-  MoE layers, pinned only when every expert is resident."""
+def pin_device_tier(shared: EngineShared, slots: int, dev_slots: int, all_resident: bool,
+                    mtp_layers: list[int], progress: bool) -> None:
+  """Fills `shared.tiers.device`: `slots` experts per MoE layer (on a mesh `dev_slots` per
+  device of the `expert` axis, each of the experts that device owns). `mtp_layers`: the MTP
+  block's MoE layers, pinned only when every expert is resident."""
   if slots == 0:
     return
+  tiers, store, reader, mesh = shared.tiers, shared.store, shared.reader, shared.mesh
+  moe_layers, n_experts = shared.moe_layers, shared.n_experts
   layout = store.layout(moe_layers[0])
   if all_resident:
     for layer in tqdm(moe_layers + mtp_layers, desc="loading experts", disable=not progress,

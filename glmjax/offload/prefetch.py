@@ -9,13 +9,18 @@ Keys are (layer, expert); a read's handle is (future, priority kind).
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
-from glmjax.offload.expert_io import COUPLE, DEMAND, FILL, PILOT, ExpertReader
+from glmjax.offload.expert_io import COUPLE, DEMAND, FILL, PILOT
 from glmjax.offload.rules import PrefetchLedger, couple_top, land_free, learn_couple, pilot_union
-from glmjax.offload.tiers import Tiers, atomic_write
+from glmjax.offload.shared import EngineShared
+from glmjax.offload.tiers import atomic_write
 
 
+COUPLE_FILE = "couple.npy"  # the co-activation table, beside the store's experts
 # A pilot union covering at least 1/WHOLE_LAYER of a layer's experts reads the whole layer.
 WHOLE_LAYER = 2
 
@@ -37,25 +42,46 @@ def _failed(fut) -> bool:
 
 class Prefetcher:
   """Hints, landing, expiry and the host fill for one engine's `tiers`, reading through
-  `reader`. `enabled` is whether prefetch runs at all; `predicting` whether this forward
-  predicts (off while every expert is held); `filling` whether the host fill still runs."""
+  `reader`. Its state is its own: `enabled`, whether prefetch runs at all; `predicting`,
+  whether this forward predicts (off while every expert is held; `start_step`); `filling`,
+  whether the host fill still runs (`fill`: the host cache can hold every main-layer expert);
+  `paused`, a precompile step's (`pause`)."""
 
-  def __init__(self, tiers: Tiers, reader: ExpertReader, store, stats, moe_layers: list[int],
-               n_experts: int, couple_path: str, n_layers: int, enabled: bool, pilot_k: int,
-               couple_k: int):
-    self.tiers, self.reader, self.store, self.stats = tiers, reader, store, stats
-    self.moe_layers, self.n_experts = moe_layers, n_experts
+  def __init__(self, shared: EngineShared, enabled: bool, pilot_k: int, couple_k: int,
+               fill: bool = False):
+    self.tiers, self.reader, self.store, self.stats = (shared.tiers, shared.reader, shared.store,
+                                                       shared.stats)
+    self.moe_layers, self.n_experts = shared.moe_layers, shared.n_experts
     self.enabled, self.pilot_k, self.couple_k = enabled, pilot_k, couple_k
-    self.ledger = PrefetchLedger(stats, layer_of=lambda key: key[0])
-    tiers.on_evict = self.ledger.evicted  # a landed read evicted unused was wasted
+    self.ledger = PrefetchLedger(self.stats, layer_of=lambda key: key[0])
+    self.tiers.on_evict = self.ledger.evicted  # a landed read evicted unused was wasted
     self.pilot_pred: dict[int, set] = {}  # layer → experts the pilot predicted this step
-    self.couple_path = couple_path
-    self.couple = load_couple(couple_path, n_layers, n_experts)
+    self.couple_path = os.path.join(self.store.path, COUPLE_FILE)
+    self.couple = load_couple(self.couple_path, shared.n_layers, self.n_experts)
     self.prev_union: tuple[int, list] | None = None  # the last layer step's, for learning
     self.predicting = enabled
-    self.filling = False  # set by the engine when the host cache can hold every expert
+    self.filling = enabled and fill
     self.paused = False  # a precompile step: lands, expires and fills nothing
     self._fill_order, self._fill_next = None, 0
+
+  def start_step(self, all_cached: bool) -> None:
+    """A forward's start. With every expert held there is nothing to fetch: prediction (pilot,
+    co-activation learning and their statistics) pauses rather than cost time per layer;
+    otherwise the host fill queues what it has room for (not in a precompile step)."""
+    self.prev_union = None
+    self.predicting = self.enabled and not all_cached
+    if self.filling and not all_cached and not self.paused:
+      self.fill_host()
+
+  @contextlib.contextmanager
+  def pause(self):
+    """A precompile step runs inside: it lands, expires, fills and learns nothing (its rows
+    are padding: it routes nothing, so it reads and hints nothing either)."""
+    prev, self.paused = self.prev_union, True
+    try:
+      yield
+    finally:
+      self.paused, self.prev_union = False, prev
 
   @property
   def inflight(self) -> dict:

@@ -36,7 +36,8 @@ from glmjax.model.quant import ExpertPool, ExpertWeights
 from glmjax.model.weights import MoE
 from glmjax.offload.prefetch import Prefetcher
 from glmjax.offload.rules import LayerUse
-from glmjax.offload.tiers import MeshPins, Tiers, as_device_pool, cpu_device
+from glmjax.offload.shared import EngineShared
+from glmjax.offload.tiers import MeshPins, as_device_pool, cpu_device
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
@@ -159,14 +160,15 @@ class TieredProvider:
   step then waits for its results, so it measures where time goes at the cost of the overlap
   it removes."""
 
-  def __init__(self, cfg: Config, dense, store, tiers: Tiers, prefetcher: Prefetcher, reader,
-               placement: Placement, stats, kernel: str, mesh, owners=None):
-    self.cfg, self.dense, self.store, self.tiers = cfg, dense, store, tiers
-    self.prefetcher, self.reader, self.placement, self.stats = prefetcher, reader, placement, stats
-    self.kernel, self.mesh = kernel, mesh
+  def __init__(self, shared: EngineShared, prefetcher: Prefetcher, placement: Placement,
+               kernel: str, owners=None):
+    self.cfg, self.dense, self.store, self.tiers = (shared.cfg, shared.dense, shared.store,
+                                                    shared.tiers)
+    self.reader, self.stats, self.mesh = shared.reader, shared.stats, shared.mesh
+    self.prefetcher, self.placement, self.kernel = prefetcher, placement, kernel
     self.owners = owners  # `owners.Ownership` on a mesh: which experts are this process's
     self.stage_s: dict | None = None
-    self._layer_index = {id(l): i for i, l in enumerate(dense.layers)}  # for `dense_pilot`
+    self._layer_index = {id(l): i for i, l in enumerate(self.dense.layers)}  # `dense_pilot`
 
   def resident_terms(self, layer, m, chunks):
     """All experts pinned: one jitted kernel call per chunk, no host round trip."""
@@ -194,13 +196,11 @@ class TieredProvider:
     union = sorted(set().union(*(s.pairs for s in steps)))
     owned = union if self.owners is None else self.owners.mine(union)  # this process's share
     t0 = time.perf_counter()
-    pinned, cached, futures = self.account(
+    use, futures = self.account(
         layer, union, owned, np.concatenate(valids),
         None if stats[0] is None else np.concatenate(stats),
         None if pilots[0] is None else np.concatenate(pilots))
     self.stage("bookkeeping", t0)
-    use = LayerUse(layer, union, owned, pinned, cached, [e for e in owned if e not in pinned
-                                                                and e not in cached])
     try:
       yield from self.compute(use, steps, futures)
     except ExpertIOError as e:  # named, and blamed on the rows that routed to the expert
@@ -218,10 +218,10 @@ class TieredProvider:
     return now
 
   def account(self, layer: int, union: list[int], owned: list[int], valid, route_stats, pilot):
-    """A layer step's tier lookups over `owned` (the experts of `union` this
-    process owns; all of them in one process), in union order: (pinned, host-cached, miss
-    futures). Every miss is submitted to the I/O threads here, at once, unless a prefetch of
-    it is under way (`Prefetcher.take`). Co-activation (and heat, in the fold) learn from the whole `union`,
+    """A layer step's tier lookups over `owned` (the experts of `union` this process owns; all
+    of them in one process), in union order: (its `LayerUse`, the misses' futures). Every miss
+    is submitted to the I/O threads here, at once, unless a prefetch of it is under way
+    (`Prefetcher.take`). Co-activation (and heat, in the fold) learn from the whole `union`,
     which every process sees, so they are the same in every process."""
     if route_stats is not None:  # [T, 3] per token; padding rows do not count
       swaps, overlap, kl = (float(v) for v in np.asarray(route_stats)[valid].sum(axis=0))
@@ -243,7 +243,7 @@ class TieredProvider:
       pf.expire(layer)
     if pf.predicting:
       pf.predict(layer, union, self.next_moe(layer), pilot)
-    return pinned, cached, futures
+    return LayerUse(layer, union, owned, pinned, cached, missing), futures
 
   def compute(self, use: LayerUse, steps: list[LayerStep], futures):
     """Grouped compute of one layer's chunks (`steps`) as `use` (its lookups) says, yielding
