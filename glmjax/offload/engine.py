@@ -158,8 +158,9 @@ class OffloadEngine:
     mtp = [cfg.num_hidden_layers] if dense.mtp else []
     pin_device_tier(shared, self.slots, dev_slots, self.all_resident, mtp, o.progress)
     # Prefetch: only worth it when a landed expert has somewhere to stay.
-    fused_on = (jax.default_backend() == "cpu" and cache_route is None and not self.all_resident
-                and mesh is None and len({store.layout(l) for l in self.moe_layers}) == 1)
+    on_cpu = jax.default_backend() == "cpu"
+    fused_on = (on_cpu and cache_route is None and not self.all_resident and mesh is None
+                and len({store.layout(l) for l in self.moe_layers}) == 1)
     # A host cache that can hold every routed expert of the main layers is filled in the
     # background (FILL priority, hottest first), so that steps end up fused and never miss.
     unpinned = len(self.moe_layers) * (e - self.slots)
@@ -167,8 +168,7 @@ class OffloadEngine:
         shared, o.prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
         o.pilot_k, o.couple_k,
         fill=fused_on and unpinned > 0 and host.budget >= unpinned * self.chunk_bytes)
-    self.placement = Placement(o.expert_compute, jax.default_backend() == "cpu", store,
-                               self.stats)
+    self.placement = Placement(o.expert_compute, on_cpu, store, self.stats)
     self.provider = TieredProvider(shared, self.prefetcher, self.placement,
                                    resolve_kernel(o.moe_kernel), self.owners)
     # The fused step needs every expert in CPU memory addressable by slot and exact routing
