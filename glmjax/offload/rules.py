@@ -421,14 +421,14 @@ def couple_top(table, union, k: int) -> list[int]:
   layer's `union` (`table` `[E, E]`: counts this layer's expert → the next layer's), ties by
   the lower id, counting only the pairs associated beyond chance (`COUPLE_MIN`,
   `COUPLE_LIFT`, `COUPLE_SIGMA`)."""
-  total = float(table.sum())
-  if total <= 0:
+  rows = table[union]  # [U, E]
+  if not rows.any():  # nothing seen with the union: nothing to predict (nor to divide by)
     return []
-  rows = np.asarray(table[union], np.float64)  # [U, E]
-  expected = np.outer(table.sum(axis=1)[union], table.sum(axis=0)) / total  # [U, E]
+  col = table.sum(axis=0)  # [E]: the next layer's counts, one pass over the table
+  expected = np.outer(rows.sum(axis=1), col / col.sum())  # [U, E]: the counts with no association
   kept = ((rows >= COUPLE_MIN) & (rows >= COUPLE_LIFT * expected)
           & (rows - expected >= COUPLE_SIGMA * np.sqrt(expected)))
-  score = np.where(kept, rows, 0.0).sum(axis=0)  # [E]
+  score = (rows * kept).sum(axis=0)  # [E]
   return [int(e) for e in np.argsort(-score, kind="stable")[:k] if score[e] > 0]
 
 
