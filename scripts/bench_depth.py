@@ -11,8 +11,7 @@ holds as many experts a MoE layer as --host_cache_gb_per_77_layers × L/77 GiB o
 Phases: time by the generation loop's clocks, counters by a snapshot as the prefill returns, the
 trace at its first step. Limit (replay/limit.py): max(compute, Belady bytes / disk) per phase,
 decode's Belady the whole trace's minus the prefill's; compute: warm runs at W/2 and W layers;
-disk: the best of 1, 2, 4 and 8 threads' median 128-chunk batch over the deepest store.
-"""
+disk: `reporting.disk_best_gbs` over the deepest store."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ from glmjax import cli
 from glmjax.formats.synthetic import make_synthetic_store
 from glmjax.replay import Trace, simulate
 from glmjax.replay.limit import capacity_experts, decode_limit
-from glmjax.bench.reporting import disk_read_gbs, store_geometry, write_report
+from glmjax.bench.reporting import disk_best_gbs, store_geometry, write_report
 from glmjax.runtime import compile_cache
 
 FLAGS = flags.FLAGS
@@ -170,13 +169,15 @@ def _plot(report: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax, ds = *plt.subplots(figsize=(6, 4)), report["depths"]  # one line a phase
+  fig, ax, ds = *plt.subplots(figsize=(6, 4)), report["depths"]
   for phase in ("decode", "prefill"):
     ax.plot([d["moe_layers"] for d in ds], [d[f"{phase}_ratio"] for d in ds], "o-", label=phase)
   ax.axhline(1.3, color="0.5", ls="--", label="1.3")
   ax.set(xlabel="MoE layers", ylabel="measured / physical limit", ylim=(0, None),
          xticks=[d["moe_layers"] for d in ds], title=f"cold offloaded, {report['geometry']} stores")
-  ax.legend(), fig.tight_layout(), fig.savefig(path, dpi=120)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
@@ -189,7 +190,8 @@ def main(argv):
     out = (_one_depth(FLAGS.one_depth) if FLAGS.one_depth is not None
            else _compute([int(w) for w in FLAGS.compute_depths]))
     with open(FLAGS.piece, "w", encoding="utf-8") as f:
-      return json.dump(out, f)
+      json.dump(out, f)
+    return
   layers = sorted({int(l) for l in FLAGS.layers})
   warm = sorted({FLAGS.warm_layers // 2, FLAGS.warm_layers})
   for l in sorted(set(layers) | set(warm)):
@@ -200,8 +202,7 @@ def main(argv):
     geo = store_geometry(_store(l))
     if (geo["moe_layers"], geo["experts"]) != (l, FLAGS.experts):
       raise app.UsageError(f"{_store(l)}: not a store of {l} MoE layers × {FLAGS.experts}")
-  probes = [disk_read_gbs(_store(layers[-1]), w, batch=128) for w in (1, 2, 4, 8)]
-  disk = max(probes, key=lambda p: p["disk_gbs"])  # the disk's rate, whatever the engine's threads
+  disk = disk_best_gbs(_store(layers[-1]))
   with tempfile.TemporaryDirectory(prefix="bench_depth.") as work:
     warm_runs = _child(work, f"--compute_depths={','.join(map(str, warm))}")
     depths = [_child(work, f"--one_depth={l}") for l in layers]
@@ -236,8 +237,7 @@ def main(argv):
           "geometry", "experts", "vocab_size", "prompt_tokens", "max_new_tokens",
           "device_cache_gb", "host_cache_gb_per_77_layers", "io_workers", "prefetch")},
       "dense_bits": int(FLAGS.dense_bits), "compute": {"warm_runs": warm_runs, "fit": fit},
-      "disk": {**disk, "store": _store(layers[-1]), "scope": "every chunk of the deepest store",
-               "by_workers": {p["workers"]: p["disk_gbs"] for p in probes}},
+      "disk": {**disk, "store": _store(layers[-1]), "scope": "every chunk of the deepest store"},
       "depths": depths}
   png = FLAGS.png or (os.path.splitext(FLAGS.json)[0] + ".png" if FLAGS.json else None)
   if png:

@@ -64,6 +64,8 @@ def test_bench_depth_tiny(tmp_path):
   report = json.loads(out.read_text())
   assert [d["moe_layers"] for d in report["depths"]] == [2]
   assert report["disk"]["disk_gbs"] > 0 and os.path.getsize(report["png"]) > 0
+  rates = report["disk"]["by_workers"]  # the disk's best rate over the thread counts
+  assert sorted(rates) == ["1", "2", "4", "8"] and report["disk"]["disk_gbs"] == max(rates.values())
   assert all(w["misses"] == 0 for w in report["compute"]["warm_runs"].values())  # all resident
   for fit in report["compute"]["fit"].values():
     assert fit["intercept_s"] >= 0 and fit["slope_s_per_layer"] >= 0
