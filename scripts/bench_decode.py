@@ -7,7 +7,8 @@
 
 The run:
 1. measures the disk: the store's expert chunks, dropped from the page cache, read and checked
-   as the engine reads them, on --io_workers threads (its chunk size and concurrency);
+   as the engine reads them (its chunk size), the best rate of 1, 2, 4 and 8 threads
+   (`disk_best_gbs`: a limit at the engine's own thread count would be that setting's);
 2. measures compute: the same request with every expert resident (warm, compiled);
 3. compiles the offloaded steps once (a warm-up request, traced too), then drops the store from the page
    cache (--cold) and runs the request at the given budgets with a live routing trace;
@@ -43,7 +44,7 @@ flags.DEFINE_integer("max_new_tokens", 16, "Tokens generated per request.", lowe
 cli.define_load_flags(
     only=("prefill_chunk", "cold", "device_cache_gb", "host_cache_gb", "io_workers", "prefetch"),
     defaults={"cold": True, "device_cache_gb": 0.0, "host_cache_gb": 0.4},
-    notes={"cold": "Here: before each measured run.", "io_workers": "Also the disk test's.",
+    notes={"cold": "Here: before each measured run.",
            "device_cache_gb": "Of the measured run.", "host_cache_gb": "Of the measured run."})
 flags.DEFINE_string("json", None, "JSON output path (default: stdout only).")
 flags.DEFINE_string("png", None, "Stacked-bar PNG of the stages (default: next to --json).")
@@ -125,7 +126,7 @@ def main(argv):
   from glmjax.offload.expert_io import drop_page_cache
   from glmjax.replay import Trace
   from glmjax.replay.limit import belady_reads, capacity_experts, decode_limit
-  from glmjax.bench.reporting import bench_store, disk_read_gbs, store_geometry, write_report
+  from glmjax.bench.reporting import bench_store, disk_best_gbs, store_geometry, write_report
   path = bench_store(FLAGS.model, "bench_decode.")
   if not os.path.exists(os.path.join(path, "manifest.json")):
     raise app.UsageError(f"--model {path}: not an expert store (no manifest.json)")
@@ -134,8 +135,8 @@ def main(argv):
                  io_workers=FLAGS.io_workers, prefetch=FLAGS.prefetch)
   work = tempfile.mkdtemp(prefix="bench_decode.")
   try:
-    # 1. the disk, at the engine's chunk size and concurrency
-    disk = disk_read_gbs(path, FLAGS.io_workers)
+    # 1. the disk, at the engine's chunk size, at its best thread count
+    disk = disk_best_gbs(path)
 
     # 2. compute: every expert resident, warm
     resident = glmjax.load(path, progress=False, prefill_chunk=FLAGS.prefill_chunk,

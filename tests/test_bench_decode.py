@@ -72,6 +72,9 @@ def test_bench_decode_script(embedded_store, tmp_path):
   assert r["new_tokens"] == 4 and r["same_tokens_as_resident"]
   assert lim["limit_s_per_token"] == max(lim["compute_s_per_token"], lim["io_s_per_token"])
   assert r["ratio"] == pytest.approx(r["measured_s_per_token"] / r["limit_s_per_token"])
+  # the disk's best rate over the thread counts, not the engine's own count's
+  assert sorted(r["disk"]["by_workers"], key=int) == ["1", "2", "4", "8"]
+  assert r["disk_gbs"] == r["disk"]["disk_gbs"] == max(r["disk"]["by_workers"].values())
   assert r["belady"]["belady_misses"] <= r["engine"]["expert_misses"] + r["engine"][
       "prefetch_issued"]  # no policy reads less than MIN
   assert set(r["stages"]) >= {"attention", "route", "bookkeeping", "io_wait", "expert_compute",
