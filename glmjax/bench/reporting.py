@@ -101,8 +101,7 @@ def disk_best_gbs(path: str, workers=(1, 2, 4, 8), batch: int = 128) -> dict:
   """The disk's rate as the engine's read path can get it: `disk_read_gbs`'s median `batch`-chunk
   batch over every chunk of `path` at each thread count of `workers`, the best of them, with
   every count's rate (`by_workers`). A limit taken at the engine's own thread count would be
-  that setting's, not the disk's: this machine's disk read 2.1 GB/s with 2 threads and 1.7-1.9
-  with 4 over 24.7 GB (docs/measurements/depth.md)."""
+  that setting's, not the disk's (DESIGN.md §26)."""
   probes = [disk_read_gbs(path, w, batch=batch) for w in workers]
   best = max(probes, key=lambda p: p["disk_gbs"])
   return {**best, "by_workers": {p["workers"]: p["disk_gbs"] for p in probes}}
