@@ -38,6 +38,7 @@ import numpy as np
 from glmjax.model.config import Config
 from glmjax.formats import durable
 from glmjax.formats.checkpoint import require_finite
+from glmjax.formats.read_buffers import ALIGN, ReadBuffers
 from glmjax.errors import CheckpointError
 from glmjax.model.quant import ExpertPool, ExpertWeights, QArray, qarray_shapes
 from glmjax.model.weights import (ArrayInfo, Weights, abstract, dense_format, dense_only,
@@ -49,7 +50,9 @@ MANIFEST = "manifest.json"
 PROGRESS = ".progress.json"
 CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "chat_template.jinja", "special_tokens_map.json")
-_ALIGN = 64  # field offsets inside a chunk, so views are aligned for any dtype
+# Field offsets inside a chunk: page-aligned. (A second module constant once shadowed a 64 here,
+# so every store so far was written with 4096, and `from_json` holds manifests to it.)
+_FIELD_ALIGN = 4096
 
 
 # --- the chunk layout ----------------------------------------------------------------------
@@ -86,7 +89,7 @@ class ExpertLayout:
                       ("down.packed", dn.packed), ("down.scales", dn.scales)):
       f = Field(name, np.dtype(sds.dtype).name, tuple(sds.shape), offset)
       fields.append(f)
-      offset += -(-f.nbytes // _ALIGN) * _ALIGN
+      offset += -(-f.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
     return cls(bits, group_size, hidden, intermediate, tuple(fields), offset)
 
   def pack(self, e: ExpertWeights) -> np.ndarray:
@@ -247,6 +250,8 @@ class ExpertStore:
     self.groups = {}
     self.where = {}  # layer → (group, row)
     self._chunk_dirs: dict[str, str | None] = {}  # group → its chunk files' root (read_chunk)
+    # read_chunk's buffers; none kept until an owner sets `buffers.keep_bytes` (the engine)
+    self.buffers = ReadBuffers()
     for name, g in self.manifest["experts"].items():
       layout = ExpertLayout.from_json(g["layout"])
       try:
@@ -287,7 +292,14 @@ class ExpertStore:
     if root is None:
       return self._result(self.read_async(layer, expert), f"layer {layer} expert {expert}")
     what = f"{self.path}: layer {layer} expert {expert}"
-    return _read_checked(os.path.join(root, str(row), str(expert), "0"), layout.nbytes, what)
+    return _read_checked(os.path.join(root, str(row), str(expert), "0"), layout.nbytes, what,
+                         self.buffers)
+
+  def prefault_reads(self, count: int) -> int:
+    """Maps `count` of `read_chunk`'s buffers now (within `buffers.keep_bytes`), so that the
+    first reads do not fault theirs in; returns how many it mapped."""
+    nbytes = self.layout(self.layers[0]).nbytes
+    return self.buffers.prefault(_read_length(nbytes, _direct(nbytes)), count)
 
   def _result(self, future, what: str) -> np.ndarray:
     try:
@@ -310,7 +322,6 @@ class ExpertStore:
 
 
 DIRECT_MIN_BYTES = 1 << 20  # O_DIRECT for chunks this large; small ones gain from the page cache
-_ALIGN = 4096  # O_DIRECT buffer, offset and length alignment
 
 
 def _chunk_dir(path: str, array_path: str) -> str | None:
@@ -331,11 +342,21 @@ def _chunk_dir(path: str, array_path: str) -> str | None:
   return os.path.join(path, array_path, "c")
 
 
-def _read_checked(fname: str, nbytes: int, what: str) -> np.ndarray:
-  """`nbytes` of chunk data followed by their crc32c (little-endian), from `fname`."""
+def _direct(nbytes: int) -> bool:
+  return nbytes >= DIRECT_MIN_BYTES and hasattr(os, "O_DIRECT")
+
+
+def _read_length(nbytes: int, direct: bool) -> int:
+  """The bytes a read of a chunk of `nbytes` (and its crc32c) fills: whole pages for O_DIRECT."""
+  return -(-(nbytes + 4) // ALIGN) * ALIGN if direct else nbytes + 4
+
+
+def _read_checked(fname: str, nbytes: int, what: str, buffers: ReadBuffers) -> np.ndarray:
+  """`nbytes` of chunk data followed by their crc32c (little-endian), from `fname`, read into
+  a buffer from `buffers` (page-aligned: O_DIRECT needs it, and JAX then takes it uncopied)."""
   import crc32c
   size = nbytes + 4
-  direct = nbytes >= DIRECT_MIN_BYTES and hasattr(os, "O_DIRECT")
+  direct = _direct(nbytes)
   fd = None
   try:
     if direct:
@@ -347,10 +368,7 @@ def _read_checked(fname: str, nbytes: int, what: str) -> np.ndarray:
         direct = False
     if fd is None:
       fd = os.open(fname, os.O_RDONLY)
-    length = -(-size // _ALIGN) * _ALIGN if direct else size
-    raw = np.empty(length + _ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % _ALIGN if direct else 0
-    buf = raw[start:start + length]
+    buf = buffers.take(_read_length(nbytes, direct))
     done = 0
     while done < size:
       n = os.preadv(fd, [memoryview(buf[done:])], done)

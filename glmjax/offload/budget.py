@@ -301,7 +301,8 @@ def resolve(device_cache_gb, host_cache_gb, *, dense_bytes: int, chunk_bytes: in
                      "device tier")
 
   def done(device: int, host: int) -> tuple[Budgets, MemoryPlan]:
-    return Budgets(device, host), dataclasses.replace(base, device_cache=device, host_cache=host)
+    return (Budgets(device, host, read_buffer_bytes=working // 2 + prefetch),
+            dataclasses.replace(base, device_cache=device, host_cache=host))
 
   if free is None:  # CPU: both tiers, the dense weights and the KV pages share host RAM
     need = RUNTIME_GROWTH + dense_bytes + kv_bytes + working + prefetch

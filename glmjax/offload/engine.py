@@ -63,6 +63,7 @@ from glmjax.sharding import axis_size
 USAGE_FILE = "usage.json"
 PLACEMENTS = ("auto", "device", "host")
 READ_LOG = 1 << 16  # reads the engine's read log keeps (~5 MB)
+PREFAULT_READS = 32  # read buffers mapped at load: the 8-layer cold prefill held 27-34 at once
 
 
 def _check_same_everywhere(path: str, dev_slots: int, cache_route: bool) -> None:
@@ -85,6 +86,9 @@ def _check_same_everywhere(path: str, dev_slots: int, cache_route: bool) -> None
 class Budgets:
   device_bytes: int
   host_bytes: int
+  # Chunk read buffers kept for reuse (glmjax.formats.read_buffers): a part of the transients
+  # the memory plan counts already (the working set's host half and the prefetched reads).
+  read_buffer_bytes: int = 0
 
 
 class OffloadEngine:
@@ -141,6 +145,9 @@ class OffloadEngine:
     read = lambda layer, expert, store=store, log=self.read_log: (
         log.append((layer, expert)), store.read_chunk(layer, expert))[1]
     self.reader = ExpertReader(read, o.io_workers, o.io_timeout_s)
+    store.buffers.keep_bytes = budgets.read_buffer_bytes
+    # Mapped now, not page by page inside the first prefill's reads (DESIGN.md §26).
+    store.prefault_reads(PREFAULT_READS)
     # A model dropped without close() still stops its I/O threads when collected.
     self._finalizer = weakref.finalize(self, self.reader.close)
     self.usage_path = os.path.join(store.path, USAGE_FILE)
@@ -243,6 +250,7 @@ class OffloadEngine:
     self.tiers.host = HostCache(0)
     self.tiers.slabs = HostSlabs(self.store.layout, lambda layout: 0, 0, 0)
     self.prefetcher.inflight.clear()
+    self.store.buffers.clear()
 
   @property
   def closed(self) -> bool:
