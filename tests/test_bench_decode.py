@@ -114,3 +114,4 @@ def test_disk_bandwidth_in_decode_step_batches(embedded_store):
   assert r["median_batch_s"] == 1.0
   assert r["disk_gbs"] == pytest.approx(min(batch, n) * geo["chunk_bytes"] / 1e9)
   assert r["per_chunk_us"] == pytest.approx(1e6 / batch)
+  assert r["buffers_reused"] >= n  # read into reused buffers, as the engine reads

@@ -36,7 +36,8 @@ class ReadBuffers:
 
   def __init__(self, keep_bytes: int = 0):
     self.keep_bytes = int(keep_bytes)
-    self._lock = threading.Lock()
+    # Reentrant: a collection inside a locked block may run another buffer's finalizer here.
+    self._lock = threading.RLock()
     self._free: dict[int, collections.deque] = collections.defaultdict(collections.deque)
     self._free_bytes = 0
     self.reused = 0  # takes served by a kept buffer
@@ -54,7 +55,7 @@ class ReadBuffers:
     if raw is None:
       raw = _aligned(length)
     view = (ctypes.c_uint8 * length).from_buffer(raw)
-    weakref.finalize(view, self._give_back, length, raw)
+    weakref.finalize(view, self._give_back, length, raw).atexit = False  # nothing to keep then
     return np.frombuffer(view, np.uint8)
 
   def _give_back(self, length: int, raw: np.ndarray) -> None:

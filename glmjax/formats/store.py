@@ -295,11 +295,15 @@ class ExpertStore:
     return _read_checked(os.path.join(root, str(row), str(expert), "0"), layout.nbytes, what,
                          self.buffers)
 
+  def read_nbytes(self, layer: int) -> int:
+    """The bytes of the buffer `read_chunk` fills for one of `layer`'s chunks."""
+    nbytes = self.layout(layer).nbytes
+    return _read_length(nbytes, _direct(nbytes))
+
   def prefault_reads(self, count: int) -> int:
     """Maps `count` of `read_chunk`'s buffers now (within `buffers.keep_bytes`), so that the
     first reads do not fault theirs in; returns how many it mapped."""
-    nbytes = self.layout(self.layers[0]).nbytes
-    return self.buffers.prefault(_read_length(nbytes, _direct(nbytes)), count)
+    return self.buffers.prefault(self.read_nbytes(self.layers[0]), count)
 
   def _result(self, future, what: str) -> np.ndarray:
     try:
