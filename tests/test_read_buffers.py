@@ -92,3 +92,19 @@ def test_prefaulted_buffers_serve_the_first_takes():
   held = [pool.take(N) for _ in range(4)]
   assert (pool.reused, pool.fresh) == (3, 1)
   assert len({_addr(a) for a in held}) == 4
+
+
+def test_an_offloaded_model_reuses_read_buffers_and_a_resident_one_keeps_none(embedded_store):
+  """The engine keeps the plan's transient share (the working set's host half and the
+  prefetched reads), maps buffers at load and reuses them; a model whose experts all fit reads
+  only while loading and keeps nothing; close() frees what was kept."""
+  import glmjax
+  with glmjax.load(embedded_store, device_cache_gb=0, host_cache_gb=0, progress=False) as m:
+    buffers = m.engine.store.buffers
+    assert buffers.keep_bytes == m.memory.working // 2 + m.memory.prefetch > 0
+    assert buffers.free_bytes > 0  # mapped at load
+    m.generate([5, 6, 7], 2, stop_ids=[])
+    assert buffers.reused > 0
+  assert buffers.free_bytes == buffers.keep_bytes == 0
+  with glmjax.load(embedded_store, progress=False) as m:
+    assert m.engine.all_resident and m.engine.store.buffers.keep_bytes == 0

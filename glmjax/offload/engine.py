@@ -145,9 +145,10 @@ class OffloadEngine:
     read = lambda layer, expert, store=store, log=self.read_log: (
         log.append((layer, expert)), store.read_chunk(layer, expert))[1]
     self.reader = ExpertReader(read, o.io_workers, o.io_timeout_s)
-    store.buffers.keep_bytes = budgets.read_buffer_bytes
-    # Mapped now, not page by page inside the first prefill's reads (DESIGN.md §26).
-    store.prefault_reads(PREFAULT_READS)
+    if not self.all_resident:  # a resident model reads only while it loads
+      store.buffers.keep_bytes = budgets.read_buffer_bytes
+      # Mapped now, not page by page inside the first prefill's reads (DESIGN.md §26).
+      store.prefault_reads(PREFAULT_READS)
     # A model dropped without close() still stops its I/O threads when collected.
     self._finalizer = weakref.finalize(self, self.reader.close)
     self.usage_path = os.path.join(store.path, USAGE_FILE)
