@@ -109,21 +109,42 @@ def fused_rows(depths: list[int]) -> list[dict]:
   return rows
 
 
+def _per_layer(fn, layers, cfg, x, cache, n_valid, extra, **static) -> tuple[float, int]:
+  """Seconds to lower and compile `fn` once per distinct layer, the executor's way (identical
+  layers share a program), with each layer's `extra(i)` argument; and the programs' count."""
+  import functools
+  from glmjax.model.forward import Chunk
+  jax.clear_caches()  # JAX keeps compiled programs by their text: a depth before is no help
+  seen, selection, t0 = set(), None, time.perf_counter()
+  for i, lw in enumerate(layers):
+    args = (lw, Chunk(x, cache.length, n_valid, selection, cache.pages), cache.layers[i], extra(i))
+    key = (jax.tree_util.tree_structure(args), tuple(
+        (a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
+    if key not in seen:
+      seen.add(key)
+      fn.lower(*args, cfg=cfg, **static).compile()
+    selection = jax.eval_shape(functools.partial(fn, cfg=cfg, **static), *args)[0].selection
+  return time.perf_counter() - t0, len(seen)
+
+
 def glm5_rows(depths: list[int]) -> list[dict]:
   """Seconds to lower and compile a --prefill_tokens chunk and a decode step at GLM-5's dims
   per depth: each distinct layer's `layer_step` once (what the executor compiles past
-  ONE_PROGRAM_LAYERS_PER_KIND), and the whole step as one program at depths up to 24."""
+  ONE_PROGRAM_LAYERS_PER_KIND), the offload engine's fused step the same way (`fused_layer`
+  over a 256-slot host slab), and the whole step as one program at depths up to 24."""
   import dataclasses
-  import functools
   from glmjax.formats.store import ExpertLayout
-  from glmjax.model.forward import Chunk, layer_step
+  from glmjax.model.forward import layer_step
   from glmjax.model.quant import ExpertPool
+  from glmjax.offload.fused import fused_layer
+  from glmjax.offload.tiers import empty_pool
   rows = []
   for d in depths:
     cfg = Config.from_dict(synthetic_config("glm5", moe_layers=d - DENSE_LAYERS, mtp=False))
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     w = jax.tree_util.tree_map(sds, weights.abstract(cfg, jnp.bfloat16, with_mtp=False),
                                is_leaf=weights.is_info)
+    dense = weights.dense_only(w)
     layout = ExpertLayout.make(cfg.hidden_size, cfg.moe_intermediate_size, 4, 64)
     one = layout.unpack(np.zeros((1, layout.nbytes), np.uint8))
     pool = jax.tree_util.tree_map(
@@ -131,24 +152,19 @@ def glm5_rows(depths: list[int]) -> list[dict]:
         ExpertPool(one.gate_up, one.down))
     w.layers = [lw if not hasattr(lw.mlp, "experts") else dataclasses.replace(
         lw, mlp=dataclasses.replace(lw.mlp, experts=pool)) for lw in w.layers]
+    table = jax.ShapeDtypeStruct((cfg.n_routed_experts,), jnp.int32)
+    slab = jax.eval_shape(lambda: empty_pool(layout, cfg.n_routed_experts, raw=True))
+    tiers = lambda i: ({"pins": None, "pin": table, "slab": slab, "host": table}
+                       if cfg.is_moe(i) else None)
     cache = jax.eval_shape(lambda: kvcache.init_cache(cfg, 1, FLAGS.capacity))
     row = {"layers": d}
     for phase, width in (("prefill", FLAGS.prefill_tokens), ("decode", 1)):
       x = jax.ShapeDtypeStruct((1, width, cfg.hidden_size), jnp.float32)
       n_valid = jax.ShapeDtypeStruct((), jnp.int32) if phase == "prefill" else None
-      jax.clear_caches()  # JAX keeps compiled programs by their text: a depth before is no help
-      seen, selection, t0 = set(), None, time.perf_counter()
-      for i, lw in enumerate(w.layers):
-        args = (lw, Chunk(x, cache.length, n_valid, selection, cache.pages), cache.layers[i],
-                None)
-        key = (jax.tree_util.tree_structure(args), tuple(
-            (a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
-        if key not in seen:
-          seen.add(key)
-          layer_step.lower(*args, cfg=cfg).compile()
-        selection = jax.eval_shape(functools.partial(layer_step, cfg=cfg), *args)[0].selection
-      row[f"{phase}_layer_steps_s"] = time.perf_counter() - t0
-      row[f"{phase}_layer_programs"] = len(seen)
+      row[f"{phase}_layer_steps_s"], row[f"{phase}_layer_programs"] = _per_layer(
+          layer_step, w.layers, cfg, x, cache, n_valid, lambda i: None)
+      row[f"{phase}_fused_layers_s"], row[f"{phase}_fused_programs"] = _per_layer(
+          fused_layer, dense.layers, cfg, x, cache, n_valid, tiers, absorbed=width <= 4)
       if d <= 24:
         toks = jax.ShapeDtypeStruct((1, width), jnp.int32)
         jax.clear_caches()

@@ -92,3 +92,20 @@ def test_bench_depth_tiny(tmp_path):
       assert served == d["replay"][f"belady_{phase}"]["requests"] > 0
     assert d["prefill_belady_hit_rate"] == 0  # one step from a cold start: compulsory misses
     assert d["engine"]["prefill"]["expert_bytes_read"] >= d["replay"]["belady_prefill"]["bytes"]
+
+
+def test_bench_compile_at_glm5_dims_compiles_each_distinct_layer_once(tmp_path):
+  """bench_compile's abstract GLM-5 path at 1 dense + 3 MoE layers: the layer steps and the
+  fused step each compile one program per distinct layer (3: the dense one and two kinds of MoE
+  layer), not one per layer, and time them along with the one program."""
+  out = tmp_path / "compile.json"
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_compile.py"),
+                      "--layers=", "--glm5_layers=4", "--prefill_tokens=8", "--capacity=64",
+                      f"--json={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (row,) = json.loads(out.read_text())["glm5_dims"]
+  assert row["layers"] == 4
+  for phase in ("prefill", "decode"):
+    assert row[f"{phase}_layer_programs"] == row[f"{phase}_fused_programs"] == 3
+    for kind in ("layer_steps", "fused_layers", "one_program"):
+      assert row[f"{phase}_{kind}_s"] > 0
