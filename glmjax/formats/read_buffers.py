@@ -71,9 +71,7 @@ class ReadBuffers:
     while added < count and self._free_bytes + length <= self.keep_bytes:
       raw = _aligned(length)
       raw[::ALIGN] = 0
-      with self._lock:
-        self._free[length].append(raw)
-        self._free_bytes += raw.nbytes
+      self._give_back(length, raw)
       added += 1
     return added
 
