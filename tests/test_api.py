@@ -151,20 +151,22 @@ def _compile_tiny(n: int) -> list:
 
 def test_map_pressure_drops_compiled_executables(monkeypatch):
   """Compiled executables hold memory mappings until JAX's caches drop them: 100 of them take
-  at least 200 more; under the threshold nothing is cleared, past it the caches are cleared
-  and the mappings come back (a worker that kept them all crashed in XLA at vm.max_map_count)."""
+  at least one each (~3, but the kernel merges neighbouring mappings: 185 in one suite run);
+  under the threshold nothing is cleared, past it the caches are cleared and at least half of
+  what they took comes back (a worker that kept them all crashed in XLA at vm.max_map_count)."""
   from glmjax.runtime import compile_cache
   start = compile_cache.mappings()
   if start is None:
     pytest.skip("no /proc/self/maps on this platform")
   _compile_tiny(100)
   grown = compile_cache.mappings()[0]
-  assert grown >= start[0] + 200
+  added = grown - start[0]
+  assert added >= 100
   compile_cache.relieve_map_pressure(fraction=(grown + 100) / start[1])  # under: kept
   assert compile_cache.mappings()[0] >= grown - 10
   with pytest.warns(RuntimeWarning, match="memory mappings"):
     compile_cache.relieve_map_pressure(fraction=(grown - 100) / start[1])
-  assert compile_cache.mappings()[0] <= grown - 200
+  assert compile_cache.mappings()[0] <= grown - added // 2
 
 
 def test_map_pressure_that_clearing_cannot_relieve_is_an_error(monkeypatch):
