@@ -181,7 +181,7 @@ class Options:
     on `platform` ("cpu", "gpu", "tpu"); a concrete dtype is kept."""
     opts = self
     if platform == "cpu" and opts.kv_dtype == "auto":
-      # float32 KV whatever the weights: a bfloat16 cache added 1.5e-4 KL (DESIGN.md §6),
+      # float32 KV whatever the weights: a bfloat16 latent added 2.2e-4 KL (DESIGN.md §6),
       # and MLA's cache is small next to the weights.
       opts = dataclasses.replace(opts, kv_dtype="float32")
     if opts.dtype != "auto":

@@ -6,7 +6,7 @@ Slow clients: a connection must deliver a request's headers within `read_timeout
 (or of its previous response ending), else it is closed (`HeaderDeadline`); the body then has
 `read_timeout_s` more (glmjax.serving.guard: a 408, then the connection is closed). Between
 requests a keep-alive connection idles `KEEP_ALIVE_S` at most (uvicorn's own timer). Headers
-are capped at `MAX_HEADER_BYTES` in all (h11: a 400, then the connection is closed).
+are capped at `MAX_HEADER_BYTES` in all (`HeaderCap`: a 431, then the connection is closed).
 """
 
 from __future__ import annotations
