@@ -17,7 +17,10 @@ setup(
         # at word offsets checked against jaxlib 0.10.2 (it self-tests and falls back if they move).
         "jax>=0.10,<=0.10.2",
         "numpy>=1.26",
-        "ml_dtypes>=0.5",
+        # Below 0.7: 0.7.0 adds its many ufunc loops through numpy's PyUFunc_AddLoop, whose
+        # linear search makes its import quadratic: `import jax` 1.63 s against 0.95 s with
+        # 0.6.0 (medians of 5, this 2-core machine), paid by every process (DESIGN.md §4).
+        "ml_dtypes>=0.5,<0.7",
         "safetensors>=0.4",
         "tensorstore>=0.1.70",
         "crc32c>=2.4",  # the engine's direct chunk reads check the store's crc32c
