@@ -18,8 +18,7 @@ setup(
         "jax>=0.10,<=0.10.2",
         "numpy>=1.26",
         # Below 0.7: 0.7.0 adds its many ufunc loops through numpy's PyUFunc_AddLoop, whose
-        # linear search makes its import quadratic: `import jax` 1.63 s against 0.95 s with
-        # 0.6.0 (medians of 5, this 2-core machine), paid by every process (DESIGN.md §4).
+        # linear search makes its import quadratic, paid by every process (DESIGN.md §4).
         "ml_dtypes>=0.5,<0.7",
         "safetensors>=0.4",
         "tensorstore>=0.1.70",

@@ -166,8 +166,8 @@ def _fast_tier_only(config) -> bool:
 
 
 def pytest_ignore_collect(collection_path, config):
-  """`-m fast` does not import the other test files (transformers, the SDKs, lm-eval): with no
-  numba warm-up either, the tier took 111.6 s against 215.8 s (collection 18.7 against 41.0)."""
+  """`-m fast` does not import the other test files (transformers, the SDKs, lm-eval) and
+  starts no numba warm-up: the tier's time is its own tests' (DESIGN.md §28)."""
   name = collection_path.name
   is_test_file = name.startswith("test_") and name.endswith(".py")
   if _fast_tier_only(config) and is_test_file and name not in FAST_TIER:
