@@ -17,6 +17,10 @@ steps at GLM-5's dims instead, from abstract weights (nothing is allocated or ru
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
+
 import datetime
 import statistics
 import time

@@ -19,9 +19,9 @@ token, sparse attention), `indexer_ms`, `attention_ms`, `rest_ms`, `fill`, `peak
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import os
 import statistics

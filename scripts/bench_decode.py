@@ -22,9 +22,9 @@ measured_s_per_token, ratio (measured / limit), disk_gbs and `stages` (ms per to
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import gc
 import os

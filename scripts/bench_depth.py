@@ -15,9 +15,9 @@ disk: `reporting.disk_best_gbs` over the deepest store."""
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import datetime
 import functools

@@ -15,9 +15,9 @@ it reports greedy decode tok/s and the time to score --score_tokens tokens (medi
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import os
 import statistics

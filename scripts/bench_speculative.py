@@ -11,9 +11,9 @@ prompts), and whether the tokens equal plain decoding's.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import os
 import statistics

@@ -21,6 +21,10 @@ says so and exits 1.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
+
 import os
 import sys
 import time

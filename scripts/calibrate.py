@@ -24,6 +24,10 @@ mean -3.6%, but not at 16k tokens: DESIGN.md §24).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
+
 import os
 import sys
 import time

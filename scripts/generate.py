@@ -20,9 +20,9 @@ Sampling flags left unset take the model's generation_config.json (greedy withou
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import json
 import os

@@ -11,6 +11,10 @@ token, the top-1 agreement, and the bytes one position takes.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
+
 import os
 import sys
 

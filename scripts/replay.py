@@ -13,9 +13,9 @@ into rows; padding is never recorded. Read the result with glmjax.replay.Trace.o
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first, before anything allocates: see scripts/_hugepages.py
-  import _hugepages
-  _hugepages.reexec()
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
 
 import concurrent.futures
 import time

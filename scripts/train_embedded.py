@@ -26,6 +26,10 @@ attention taps for the indexer's distillation, and a fixed-capacity expert provi
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before anything allocates: see scripts/_startup.py
+  import _startup
+  _startup.start()
+
 import dataclasses
 import json
 import os

@@ -47,11 +47,22 @@ def pytest_configure(config):
   # the suite starts share the small ones too (0.2 s before: 3-8% more CPU on script-heavy
   # files, docs/measurements/suite.md).
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  _collect_like_the_scripts()
   import jax
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   if getattr(config, "glmjax_owns_xla_cache", False) and not _fast_tier_only(config):
     _start_kernel_warmup()  # the fast tier loads no model: its few kernels compile on demand
+
+
+def _collect_like_the_scripts() -> None:
+  """The workers' cycle collector at the scripts' thresholds (scripts/_startup.py): tracing
+  allocates as much here as in a script (DESIGN.md §28)."""
+  import gc
+  import sys
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import _startup  # pylint: disable=import-outside-toplevel
+  gc.set_threshold(*_startup.GC_THRESHOLDS)
 
 
 # Compiles the CPU kernels' Python entry points for both decoders (int4 and int8, odd sizes),
