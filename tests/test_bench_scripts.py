@@ -41,8 +41,10 @@ def test_bench_vs_transformers_defaults(tmp_path):
 
 def test_bench_vs_transformers_without_transformers(tmp_path):
   """Without the test extras the script names them and exits 1, before loading anything."""
-  code = ("import runpy, sys; sys.modules['transformers'] = None; "
-          f"sys.argv = [{SCRIPT!r}]; runpy.run_path({SCRIPT!r}, run_name='__main__')")
+  # As `python scripts/bench_vs_transformers.py` runs it: argv and the script's folder on the path.
+  code = ("import os, runpy, sys; sys.modules['transformers'] = None; "
+          f"sys.argv = [{SCRIPT!r}]; sys.path.insert(0, os.path.dirname({SCRIPT!r})); "
+          f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
   r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 1, (r.stdout, r.stderr)
