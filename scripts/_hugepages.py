@@ -1,4 +1,4 @@
-"""Huge pages for the allocations XLA makes on the host (imported by the scripts, first thing).
+"""Huge pages for XLA's host allocations (`_startup.start()`, a script's first call).
 
 XLA:CPU allocates each executable's temporaries with malloc, and an engine layer step's are
 tens of MB (73 MB for one attention step over 1024 tokens of the embedded model), above glibc's

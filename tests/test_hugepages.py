@@ -54,8 +54,7 @@ print("after", gc.get_threshold(), os.environ.get("GLIBC_TUNABLES"))
 
 
 def test_start_reexecutes_then_sets_the_collectors_thresholds(tmp_path):
-  sys.path.insert(0, os.path.join(ROOT, "scripts"))
-  import _startup  # pylint: disable=import-outside-toplevel
+  import _startup  # scripts/ is on the path: conftest puts it there  # pylint: disable=import-outside-toplevel
   probe = tmp_path / "startup.py"
   probe.write_text(STARTUP.format(scripts=os.path.join(ROOT, "scripts")))
   base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "GLMJAX_HUGEPAGES")}
