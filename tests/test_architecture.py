@@ -1,7 +1,7 @@
 """The wings' boundaries, read from the source: serving/ uses only public names of the other
 wings, pallas_kernels/ imports nothing from glmjax, only glmjax/model/kernels.py picks kernels,
-and scripts declare their load flags through glmjax.cli, and the
-model's public functions take few parameters."""
+scripts declare their load flags through glmjax.cli, the model's public functions take few
+parameters, and every entry into the offload engine folds a deferred step first."""
 
 import ast
 import dataclasses
@@ -222,3 +222,32 @@ def test_the_check_sees_wide_functions():
                    "  def m(self, a, b, c, d, e, f, g, h, *, i=0): pass\n"
                    "  def n(self, a, b, c, d, e, f, g, h): pass\n")
   assert wide_functions(tree) == ["f: 9", "m: 9"]
+
+
+# The engine's public names that read no tier state or counters (its configuration).
+ENGINE_SETTINGS = {"prefetch", "kernel", "stage_s", "closed"}
+
+
+def unfolded_entries(tree: ast.Module, cls: str = "OffloadEngine") -> list[str]:
+  """Public methods and properties of `cls` that do not start by folding a deferred fused
+  step (the `folded` decorator), its settings (ENGINE_SETTINGS) aside."""
+  (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+  return [fn.name for fn in engine.body
+          if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_")
+          and fn.name not in ENGINE_SETTINGS
+          and "folded" not in {d.id for d in fn.decorator_list if isinstance(d, ast.Name)}]
+
+
+def test_every_engine_entry_folds_the_deferred_step_first():
+  """A fused step returns before its bookkeeping when nothing can miss; every way into the
+  engine folds it first, so no caller has a rule to remember (glmjax.offload.engine.folded)."""
+  path = os.path.join(ROOT, "glmjax", "offload", "engine.py")
+  assert unfolded_entries(ast.parse(open(path, encoding="utf-8").read())) == []
+
+
+def test_the_check_sees_unfolded_entries():
+  tree = ast.parse("class OffloadEngine:\n  @folded\n  def forward(self): pass\n"
+                   "  @property\n  @folded\n  def heat(self): pass\n"
+                   "  @property\n  def host(self): pass\n  def telemetry(self): pass\n"
+                   "  def _routing(self): pass\n  @property\n  def kernel(self): pass\n")
+  assert unfolded_entries(tree) == ["host", "telemetry"]

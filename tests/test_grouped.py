@@ -139,7 +139,8 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
   every step also exercises void attempts (a miss): they re-run through the tiers exactly. The
   budgets hold a pin tier and a host cache of every expert, so both tiers serve fused steps.
   With the host tier warmed first, every expert is held, so each fused step returns before its
-  bookkeeping, which the next call settles: counters, heat and pins equal the layer path's."""
+  bookkeeping, which the engine's next call folds: counters, heat and pins equal the layer
+  path's."""
   import os, shutil
   from glmjax.bench.reporting import store_geometry
   total = store_geometry(embedded_store)["expert_bytes_total"]  # the main layers' experts
@@ -165,14 +166,14 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
           eng.fused_step.ready = True
           return forward(*a, **k)
         eng.forward = always
-      unsettled = []
+      deferred = []
       if mode == "warm_fused":  # records each step that returned before its bookkeeping
-        settle = eng.settle
+        fold = eng.fused_step.fold_deferred
 
         def spy():
-          unsettled.append(eng.fused_step.unsettled is not None)
-          settle()
-        eng.settle = spy
+          deferred.append(eng.fused_step.pending is not None)
+          fold()
+        eng.fused_step.fold_deferred = spy
       before = eng.telemetry()
       out = [m.generate(PROMPT17, 8, stop_ids=[]) for _ in range(2)]
       logits = m.score([PROMPT17, PROMPT17[::-1]])
@@ -180,7 +181,7 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
       runs[mode] = (out, logits, {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS},
                     after.get("fused_steps", 0), after.get("fused_void", 0),
                     dict(eng.heat.h), {l: list(d.expert_in) for l, d in eng.device.items()},
-                    sum(unsettled))
+                    sum(deferred))
   with glmjax.load(embedded_store, progress=False, device_cache_gb=2 * total / GB) as m:
     resident = m.score([PROMPT17, PROMPT17[::-1]])  # one jit, like a fused step
   layers = runs["layers"]
@@ -199,7 +200,7 @@ def test_fused_step_equals_the_layer_steps(embedded_store, tmp_path, device_frac
   assert runs["forced"][4] > 0  # the cold start's misses made attempts void
   warm = runs["warm_fused"]
   assert warm[4] == 0 and warm[2]["expert_misses"] == 0
-  assert warm[7] >= warm[3] - 2  # every fused step but the last of each call was unsettled
+  assert warm[7] >= warm[3] - 2  # every fused step but the last of each call was deferred
   assert warm[5] == runs["warm_layers"][5]  # heat: the same uses and decays, in order
   assert warm[6] == runs["warm_layers"][6]  # the same pins in the same slots
 

@@ -240,7 +240,6 @@ def run_request(executor: Executor, pool, pages, start: int, prompt_ids: np.ndar
     stats.update(engine_stats(executor.telemetry(), before, executor.cfg.num_experts_per_tok))
     stats["prefill_expert_bytes"] = (read.get("expert_bytes_read", 0.0)
                                      - before.get("expert_bytes_read", 0.0))
-    executor.settle()  # this call's deferred bookkeeping, before its caller reads the tiers
     executor.save_stats()
   return GenerationResult(tokens=req.out, stats=stats, stop_reason=req.reason,
                           text="".join(req.pieces) if req.stream is not None else None)

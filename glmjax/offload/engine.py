@@ -82,6 +82,19 @@ def _check_same_everywhere(path: str, dev_slots: int, cache_route: bool) -> None
         "(host_cache_gb may differ)")
 
 
+def folded(method):
+  """An engine entry point that starts by folding a deferred fused step's record into the tiers
+  and counters (`FusedStep.fold_deferred`): whoever calls it, and whatever it reads, sees every
+  step run so far. Every public method of the engine, and each property that exposes tier
+  state, is one (tests/test_architecture.py); nothing else folds or asks to."""
+  @functools.wraps(method)
+  def entry(self, *args, **kw):
+    self.fused_step.fold_deferred()
+    return method(self, *args, **kw)
+  entry.folds_first = True
+  return entry
+
+
 @dataclasses.dataclass
 class Budgets:
   device_bytes: int
@@ -154,14 +167,14 @@ class OffloadEngine:
     self.usage_path = os.path.join(store.path, USAGE_FILE)
     if o.cold:
       drop_page_cache(os.path.join(store.path, "experts"))
-    self.stats = collections.Counter({"experts_on_device": 0, "experts_on_host": 0,
-                                      "h2d_bytes": 0})
+    self._stats = collections.Counter({"experts_on_device": 0, "experts_on_host": 0,
+                                       "h2d_bytes": 0})
     # pin_tables `[L, E]`: rows are the DevicePools' tables (each expert's slot, or -1)
-    self.tiers = Tiers({}, host, slabs, np.full((n_layers, e), -1, np.int32),
-                       Heat.load(self.usage_path), self.chunk_bytes, self.stats)
+    self._tiers = Tiers({}, host, slabs, np.full((n_layers, e), -1, np.int32),
+                        Heat.load(self.usage_path), self.chunk_bytes, self._stats)
     if self.owners is not None:
-      self.tiers.owned = self.owners.owned
-    shared = EngineShared(cfg, dense, store, self.tiers, self.reader, self.stats,
+      self._tiers.owned = self.owners.owned
+    shared = EngineShared(cfg, dense, store, self._tiers, self.reader, self._stats,
                           self.moe_layers, mesh)
     mtp = [cfg.num_hidden_layers] if dense.mtp else []
     pin_device_tier(shared, self.slots, dev_slots, self.all_resident, mtp, o.progress)
@@ -176,7 +189,7 @@ class OffloadEngine:
         shared, o.prefetch and not self.all_resident and (host.budget > 0 or self.slots > 0),
         o.pilot_k, o.couple_k,
         fill=fused_on and unpinned > 0 and host.budget >= unpinned * self.chunk_bytes)
-    self.placement = Placement(o.expert_compute, on_cpu, store, self.stats)
+    self.placement = Placement(o.expert_compute, on_cpu, store, self._stats)
     self.provider = TieredProvider(shared, self.prefetcher, self.placement,
                                    resolve_kernel(o.moe_kernel), self.owners)
     # The fused step needs every expert in CPU memory addressable by slot and exact routing
@@ -195,16 +208,30 @@ class OffloadEngine:
 
   # -- the parts' state, by the names callers use ----------------------------------------------
   @property
+  @folded
+  def tiers(self) -> Tiers:
+    return self._tiers
+
+  @property
+  @folded
+  def stats(self) -> collections.Counter:
+    """The counters, shared by the parts (what `telemetry` reports)."""
+    return self._stats
+
+  @property
+  @folded
   def heat(self) -> Heat:
-    return self.tiers.heat
+    return self._tiers.heat
 
   @property
+  @folded
   def host(self) -> HostCache:
-    return self.tiers.host
+    return self._tiers.host
 
   @property
+  @folded
   def device(self) -> dict:
-    return self.tiers.device
+    return self._tiers.device
 
   @property
   def prefetch(self) -> bool:
@@ -223,33 +250,37 @@ class OffloadEngine:
   def stage_s(self, value: dict | None) -> None:
     self.provider.stage_s = value
 
+  @folded
   def resident_weights(self) -> Weights:
     """With every expert resident: the dense weights with each MoE layer's pool as its experts,
     for the one-jit resident path (glmjax.model.forward's entry points)."""
+    pools = self._tiers.device
+
     def fill(i, lw):
       if not isinstance(lw.mlp, MoE):
         return lw
-      return dataclasses.replace(lw, mlp=dataclasses.replace(lw.mlp, experts=self.device[i].pool))
+      return dataclasses.replace(lw, mlp=dataclasses.replace(lw.mlp, experts=pools[i].pool))
     layers = [fill(i, lw) for i, lw in enumerate(self.dense.layers)]
     mtp = [dataclasses.replace(m, layer=fill(self.cfg.num_hidden_layers + j, m.layer))
            for j, m in enumerate(self.dense.mtp)]
     return dataclasses.replace(self.dense, layers=layers, mtp=mtp)
 
+  @folded
   def save(self) -> None:
     """Persists the usage histogram (next run's pinned set) and the co-activation table."""
-    self.settle()
-    self.heat.save(self.usage_path)
+    self._tiers.heat.save(self.usage_path)
     self.prefetcher.save()
 
+  @folded
   def close(self) -> None:
     """Saves, then stops and joins the I/O threads. Idempotent; the engine is unusable after."""
     if self.closed:
       return
-    self.save()  # settles first
+    self.save()
     self._finalizer()  # runs reader.close() once
-    self.device.clear()
-    self.tiers.host = HostCache(0)
-    self.tiers.slabs = HostSlabs(self.store.layout, lambda layout: 0, 0, 0)
+    self._tiers.device.clear()
+    self._tiers.host = HostCache(0)
+    self._tiers.slabs = HostSlabs(self.store.layout, lambda layout: 0, 0, 0)
     self.prefetcher.inflight.clear()
     self.store.buffers.clear()
 
@@ -257,21 +288,16 @@ class OffloadEngine:
   def closed(self) -> bool:
     return not self._finalizer.alive
 
+  @folded
   def hint(self, layer: int, experts, kind: int) -> None:
     """Queues non-resident `experts` of `layer` for reading at priority `kind`."""
-    self.settle()
     self.prefetcher.hint(layer, experts, kind)
 
+  @folded
   def warm_host(self) -> None:
     """Reads, now, every main-layer expert that no tier holds into the host cache, as far as
     its budget allows (`Prefetcher.warm_host`)."""
-    self.settle()
     self.prefetcher.warm_host()
-
-  def settle(self) -> None:
-    """Applies the bookkeeping of a fused step that was returned unsettled (every expert held,
-    so it could not miss). Every reader of tier state or counters calls this first."""
-    self.fused_step.settle()
 
   # -- forward --------------------------------------------------------------------------------
   @property
@@ -289,7 +315,7 @@ class OffloadEngine:
 
   def _routing(self, layer: int) -> Routing | None:
     """Cache-aware routing of `layer` toward its resident experts (None: a dense layer)."""
-    if layer not in self.device and layer not in self.moe_layers:
+    if layer not in self._tiers.device and layer not in self.moe_layers:
       return None
     mask = [self.prefetcher.resident(layer, e) for e in range(self.cfg.n_routed_experts)]
     keep, rank = self.cache_route
@@ -297,11 +323,12 @@ class OffloadEngine:
 
   def _start_step(self) -> bool:
     """A forward's start (`Prefetcher.start_step`): whether every expert is held."""
-    all_cached = self.tiers.all_cached(self.moe_layers)
+    all_cached = self._tiers.all_cached(self.moe_layers)
     self.prefetcher.start_step(all_cached)
     return all_cached
 
   @peer_guarded
+  @folded
   def forward(self, tokens, cache: KVCache | None = None, absorbed: bool | None = None,
               n_valid: int | None = None, record: list | None = None,
               record_opts: RecordOptions = RecordOptions(), expert_cap: int | None = None):
@@ -309,7 +336,6 @@ class OffloadEngine:
     (the first `n_valid` positions real, the rest padding that never routes). With `record`
     (a list), each MoE layer's routing record (`route_record`) is appended to it. With
     `expert_cap`, each MoE layer routes the step within that many experts (lossy, opt-in)."""
-    self.settle()
     precompiling = self.prefetcher.paused
     all_cached = self._start_step()
     if not (isinstance(tokens, jax.Array) and tokens.dtype == jnp.int32):
@@ -319,7 +345,7 @@ class OffloadEngine:
         and self.fused_step.worth_trying(tokens.size, all_cached)):
       out, cache = self.fused_step.run(tokens, cache, absorbed, n_valid, sure=all_cached)
     if out is None:
-      misses = self.stats["expert_misses"]
+      misses = self._stats["expert_misses"]
       routing = ((lambda _: Routing(cap=expert_cap)) if expert_cap is not None
                  else self._routing if self._aware else None)
       kept: dict = {}
@@ -331,12 +357,13 @@ class OffloadEngine:
         e.kv = self._salvaged(cache, kept)
         raise
       if not precompiling:
-        self.fused_step.after_layer_steps(self.stats["expert_misses"] > misses)
+        self.fused_step.after_layer_steps(self._stats["expert_misses"] > misses)
     if not self.all_resident and not self.fused_step.deferred and not precompiling:
-      self.heat.decay()  # else settle() decays, after the uses
+      self._tiers.heat.decay()  # else the deferred fold decays, after the uses
     return out
 
   @peer_guarded
+  @folded
   def prefill(self, chunks: list, cache: KVCache, n_valid: int, record: list | None = None,
               record_opts: RecordOptions = RecordOptions()):
     """A prompt's chunks (token arrays `[B, S_j]`, only the last padded: its first `n_valid`
@@ -349,9 +376,8 @@ class OffloadEngine:
       _, x, cache = self.forward(chunks[0], cache, n_valid=n_valid, record=record,
                                  record_opts=record_opts)
       return [x], cache
-    self.settle()
     self._start_step()
-    misses = self.stats["expert_misses"]
+    misses = self._stats["expert_misses"]
     experts = self._experts(record, record_opts)
     start, offsets = int(cache.length), np.cumsum([0] + [c.shape[1] for c in chunks[:-1]])
     end = start + int(offsets[-1]) + n_valid  # past the last real position
@@ -373,9 +399,9 @@ class OffloadEngine:
       except ExpertIOError as e:
         e.kv = self._salvaged(cache, kept)
         raise
-    self.fused_step.after_layer_steps(self.stats["expert_misses"] > misses)
+    self.fused_step.after_layer_steps(self._stats["expert_misses"] > misses)
     if not self.all_resident:
-      self.heat.decay()
+      self._tiers.heat.decay()
     return [p.x for p in pieces], KVCache(new, cache.pages, cache.length)
 
 
@@ -403,6 +429,7 @@ class OffloadEngine:
     return KVCache([kept.get(i, lc) for i, lc in enumerate(cache.layers)], cache.pages,
                    cache.length)
 
+  @folded
   def precompile(self, tokens, cache: KVCache, absorbed: bool | None = True,
                  n_valid=None) -> KVCache:
     """Compiles the steps of a `tokens` `[B, S]` shape ahead of its first real step (a
@@ -413,8 +440,7 @@ class OffloadEngine:
     step) are those of the real step, whose compiled programs they select. Counters, heat and
     the fused-step state are left as they were. Returns the new cache (`cache` is donated);
     its rows hold nothing valid."""
-    self.settle()
-    saved = collections.Counter(self.stats)
+    saved = collections.Counter(self._stats)
     # a batch step may be tried fused at any width (all its experts cached), a prefill chunk
     # only when it is narrow enough for a guess (FusedStep.worth_trying)
     fused = self.fused_step.enabled and (n_valid is None or tokens.size <= FUSED_GUESS_TOKENS)
@@ -431,41 +457,42 @@ class OffloadEngine:
           # after a void fused attempt the layer steps take the fused step's cache
           _, _, cache = self.forward(tokens, cache, absorbed, n_valid=n_valid)
     finally:
-      self.stats.clear()  # in place: the parts share this Counter
-      self.stats.update(saved)
+      self._stats.clear()  # in place: the parts share this Counter
+      self._stats.update(saved)
     return cache
 
   @peer_guarded
+  @folded
   def mtp_forward(self, h, next_tokens, cache, start: int):
     """The MTP block at positions start..start+S-1 over (h `[B, S, D]`, next tokens `[B, S]`).
 
     Returns (logits `[B, S, V]`, block output `[B, S, D]`, the MTP layer cache). Its routed
     experts come through the same tiers as the main layers' (the store's "mtp" group).
     """
-    self.settle()
     at = KVCache(cache.layers, cache.pages, jnp.asarray(start, jnp.int32))
     return mtp_forward(self.dense, h, jnp.asarray(next_tokens, jnp.int32), self.cfg, at,
                        absorbed=h.shape[1] <= 4,
                        drive=Drive(self._experts(None, None), JITTED, runtime=self.runtime))
 
+  @folded
   def tier_state(self) -> dict:
     """The tiers' state as plain data (a live trace's starting point for the simulator):
     budgets, each MoE layer's pinned experts by slot, the host LRU order, raw heat."""
-    self.settle()
+    t = self._tiers
     return {
-        "device_bytes": self.budgets.device_bytes, "host_bytes": self.host.budget,
-        "host_quotas": {str(l): q for l, q in (self.host.quotas or {}).items()},
-        "host_used_bytes": self.host.used, "owned_experts": int(self.tiers.owned.sum()),
+        "device_bytes": self.budgets.device_bytes, "host_bytes": t.host.budget,
+        "host_quotas": {str(l): q for l, q in (t.host.quotas or {}).items()},
+        "host_used_bytes": t.host.used, "owned_experts": int(t.owned.sum()),
         "chunk_bytes": self.chunk_bytes, "slots": self.slots, "all_resident": self.all_resident,
-        "pins": {str(l): list(d.expert_in) for l, d in self.device.items()},
-        "host": [list(k) for k in self.host.keys()],
-        "heat": {f"{l}/{e}": v for (l, e), v in self.heat.h.items()},
-        "heat_scale": self.heat.scale}
+        "pins": {str(l): list(d.expert_in) for l, d in t.device.items()},
+        "host": [list(k) for k in t.host.keys()],
+        "heat": {f"{l}/{e}": v for (l, e), v in t.heat.h.items()},
+        "heat_scale": t.heat.scale}
 
+  @folded
   def telemetry(self) -> dict[str, float]:
     """Flat numeric counters since construction (callers take differences)."""
-    self.settle()
-    out = {k: float(v) for k, v in self.stats.items()}
+    out = {k: float(v) for k, v in self._stats.items()}
     out["all_resident"] = float(self.all_resident)  # fast path: no per-expert accounting
     if self.prefetch:
       out["prefetch_unused"] = float(len(self.prefetcher.ledger.landed))

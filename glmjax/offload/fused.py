@@ -92,14 +92,14 @@ fused_program = jax.jit(fused_forward, static_argnames=("cfg", "absorbed", "runt
 
 
 class FusedStep:
-  """Runs steps through `fused_forward` and settles their bookkeeping.
+  """Runs steps through `fused_forward` and folds their records into the tiers.
 
   It needs every expert in CPU memory addressable by slot, and exact routing (`enabled`). It
   is tried when the tiers hold every expert, or, for a step of at most FUSED_GUESS_TOKENS
   tokens, after a step that missed nothing (`ready`): a cold cache does not pay for void
   attempts, and neither does a long prefill, whose union is most of a layer's experts (a void
   1024-token attempt cost 0.3 s). A step run while every expert is held cannot miss: it returns
-  without waiting for its record, which is settled (`unsettled`) at the engine's next call."""
+  without waiting for its record, which is folded (`pending`) at the engine's next call."""
 
   def __init__(self, shared: EngineShared, prefetcher: Prefetcher, placement: Placement,
                runtime: Runtime, enabled: bool, unit: str = "auto"):
@@ -109,7 +109,7 @@ class FusedStep:
     self.prefetcher, self.placement, self.runtime, self.enabled = (prefetcher, placement, runtime,
                                                                    enabled)
     self.ready = False
-    self.unsettled = None  # (record, tokens, valid) of a step returned before its bookkeeping
+    self.pending = None  # (record, tokens, valid) of a step returned before its bookkeeping
     self._compiled: dict = {}
     self._zero = fresh_start()  # a cache-less fused step's start (see forward)
     self._tables = None  # (host copy, device rows) of the pin and host slot tables
@@ -118,8 +118,8 @@ class FusedStep:
 
   @property
   def deferred(self) -> bool:
-    """A step ran with its bookkeeping deferred to `settle`."""
-    return self.unsettled is not None
+    """A step ran with its bookkeeping deferred to `fold_deferred`."""
+    return self.pending is not None
 
   def after_layer_steps(self, missed: bool) -> None:
     """A step ran layer by layer: a short step is tried fused next time if it missed nothing."""
@@ -136,9 +136,9 @@ class FusedStep:
     compiled, args = self.executable(tokens, cache, absorbed, n_valid)
     logits, x, new_cache, record = compiled(*args)
     valid = valid_rows(tokens.shape, n_valid)
-    if sure:  # nothing can be missing: settled later, so this call does not wait for the step
+    if sure:  # nothing can be missing: folded later, so this call does not wait for the step
       self.stats["fused_steps"] += 1
-      self.unsettled = (record, tokens.size, valid)
+      self.pending = (record, tokens.size, valid)
       return (logits, x, new_cache), None
     missed, ids = self._split_record(record, tokens.size)
     if missed:
@@ -201,18 +201,19 @@ class FusedStep:
     return bool(missing.any()), np.stack([ids for _, ids in record]).reshape(
         len(record), n_tokens, -1)
 
-  def settle(self) -> None:
-    """Applies the bookkeeping of a step that was returned unsettled (every expert held, so it
-    could not miss)."""
-    if self.unsettled is None:
+  def fold_deferred(self) -> None:
+    """Folds the record of a step that was returned before its bookkeeping (every expert held,
+    so it could not miss), as `run` folds any other: the engine's entry points call this
+    first (glmjax.offload.engine.folded)."""
+    if self.pending is None:
       return
-    record, n_tokens, valid = self.unsettled
-    self.unsettled = None
+    record, n_tokens, valid = self.pending
+    self.pending = None
     missed, ids = self._split_record(record, n_tokens)
     if missed:  # the tiers held every expert and nothing evicts between steps
       raise RuntimeError("internal: a fused step run with every expert held missed one")
     self._bookkeeping(ids, valid)
-    self.tiers.heat.decay()  # the step's own decay, after its uses, as a settled step has it
+    self.tiers.heat.decay()  # its own decay, after its uses, as in a step folded at once
 
   def _bookkeeping(self, ids_all: np.ndarray, valid: np.ndarray) -> None:
     """A fused step's tier bookkeeping: per MoE layer in union order, the lookups of the layer

@@ -89,7 +89,6 @@ class Executor(Protocol):
   def stage_timing(self) -> dict: ...
   def warm_host(self) -> None: ...
   def resident_weights(self, why: str): ...
-  def settle(self) -> None: ...
   def save_stats(self, force: bool = False) -> None: ...
   def close(self) -> None: ...
 
@@ -194,11 +193,6 @@ class Steps:
     """Reads every expert the host cache has room for (benchmarks' warm starts)."""
     if self.engine is not None:
       self.engine.warm_host()
-
-  def settle(self) -> None:
-    """The last call's deferred bookkeeping, before a caller reads the tiers."""
-    if self.engine is not None:
-      self.engine.settle()
 
   def save_stats(self, force: bool = False) -> None:
     """Writes the usage histogram and co-activation table to the store (about 20 MB at GLM-5's
