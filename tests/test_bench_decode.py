@@ -60,11 +60,13 @@ def test_disk_bandwidth_on_a_fake_clock(embedded_store):
   assert r["disk_gbs"] == pytest.approx(geo["expert_bytes_total"] / 2.0 / 1e9)
 
 
-def test_bench_decode_script(embedded_store, tmp_path):
-  """The script with default flags (a short request) reports a consistent limit and ratio."""
+def test_bench_decode_script(tmp_path):
+  """The script with default flags (a short request; no --model: it converts the embedded
+  model, as bench_offload, bench_speculative and check_gpu do) reports a consistent limit and
+  ratio."""
   out = tmp_path / "decode.json"
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"),
-                         f"--model={embedded_store}", "--max_new_tokens=4", f"--json={out}"],
+                         "--max_new_tokens=4", f"--json={out}"],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
@@ -115,3 +117,14 @@ def test_disk_bandwidth_in_decode_step_batches(embedded_store):
   assert r["disk_gbs"] == pytest.approx(min(batch, n) * geo["chunk_bytes"] / 1e9)
   assert r["per_chunk_us"] == pytest.approx(1e6 / batch)
   assert r["buffers_reused"] >= n  # read into reused buffers, as the engine reads
+
+
+def test_a_missing_or_failing_script_names_itself(tmp_path):
+  """bench_store and the studies run scripts of the checkout: one that is missing, or fails,
+  is an InputError saying what failed, with the script's path or its last words."""
+  from glmjax.bench.reporting import run_script
+  from glmjax.errors import InputError
+  with pytest.raises(InputError, match=r"converting a thing needs .*scripts/no_such\.py"):
+    run_script("no_such.py", what="converting a thing")
+  with pytest.raises(InputError, match="converting a thing failed: .*--src"):
+    run_script("convert.py", f"--dst={tmp_path / 'store'}", what="converting a thing")

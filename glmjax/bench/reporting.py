@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+# The checkout's scripts/, beside the package (the README installs it editable, from the clone).
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "scripts")
 MAX_KEPT = 128  # read buffers the disk probe keeps for reuse (2.6 GB of GLM-5 experts)
 
 
@@ -21,10 +24,23 @@ def write_report(report: dict | list, path: str | None = None) -> str:
   return text
 
 
-def bench_store(path: str | None, prefix: str) -> str:
-  """`path`, or a fresh store converted from the embedded model when `path` is None."""
+def run_script(name: str, *flags: str, what: str) -> None:
+  """Runs scripts/`name` with `flags` in a fresh interpreter. Its absence or failure is an
+  InputError that says `what` failed, with the end of the script's stderr."""
   import subprocess
   import sys
+  from glmjax.errors import InputError
+  path = os.path.join(SCRIPTS, name)
+  if not os.path.exists(path):
+    raise InputError(f"{what} needs {path}, which is missing: run from a clone of glmjax "
+                     "installed with pip install -e .")
+  r = subprocess.run([sys.executable, path, *flags], capture_output=True, text=True)
+  if r.returncode != 0:
+    raise InputError(f"{what} failed: {r.stderr.strip()[-2000:]}")
+
+
+def bench_store(path: str | None, prefix: str) -> str:
+  """`path`, or a fresh store converted from the embedded model when `path` is None."""
   import tempfile
   from glmjax.formats import embedded
   if path is not None:
@@ -34,10 +50,8 @@ def bench_store(path: str | None, prefix: str) -> str:
   tmp = tempfile.mkdtemp(prefix=prefix)
   atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # a benchmark leaves no store behind
   path = os.path.join(tmp, "store")
-  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                        "convert.py")
-  subprocess.run([sys.executable, script, f"--src={embedded.ensure()}", f"--dst={path}"],
-                 check=True, capture_output=True)
+  run_script("convert.py", f"--src={embedded.ensure()}", f"--dst={path}",
+             what="converting the embedded model to a store for the benchmark")
   return path
 
 

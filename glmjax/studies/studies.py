@@ -24,18 +24,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from typing import Callable
 
 import numpy as np
 
+from glmjax.bench.reporting import run_script
 from glmjax.errors import InputError
 from glmjax.studies.live_studies import stage_breakdown, verify_cap
-
-# scripts/replay.py records the trace when none is given.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MASSES = (0.79, 0.85, 0.90, 0.95, 0.97)
 PILOT_KS = (2, 4, 6, 8, 12, 16)
@@ -103,11 +99,8 @@ def record_trace(dest: str | None, tokens: int) -> str:
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     dest = os.path.join(tmp, "trace")
   # --pilot_p and --top_m are capped at E by the recorder: every expert's score is kept.
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "replay.py"), f"--out={dest}",
-         f"--max_tokens={tokens}", "--pilot_p=4096", "--top_m=4096"]
-  r = subprocess.run(cmd, capture_output=True, text=True)
-  if r.returncode != 0:
-    raise InputError(f"recording the trace failed: {r.stderr.strip()[-2000:]}")
+  run_script("replay.py", f"--out={dest}", f"--max_tokens={tokens}", "--pilot_p=4096",
+             "--top_m=4096", what="recording the trace")
   return dest
 
 
