@@ -91,7 +91,6 @@ def folded(method):
   def entry(self, *args, **kw):
     self.fused_step.fold_deferred()
     return method(self, *args, **kw)
-  entry.folds_first = True
   return entry
 
 
