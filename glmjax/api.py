@@ -21,7 +21,8 @@ from glmjax.decoding.pages import KVLayout, KVPool
 from glmjax.errors import CheckpointError, GlmjaxError, InputError
 from glmjax.formats import checkpoint, embedded, store
 from glmjax.model.config import Config
-from glmjax.model.forward import RecordOptions, bucket
+from glmjax.model.forward import bucket
+from glmjax.model.records import RecordOptions
 from glmjax.model.weights import Weights
 from glmjax.options import Options
 from glmjax.runtime.executor import Executor, chunk_plan, executor_for
@@ -108,7 +109,7 @@ class Model:
                      fetch: bool = True) -> dict:
     """Teacher-forced routing of int tokens `[B, S]`: per MoE layer, each position's top-k ids
     and weights, the top-M selection scores and the pilot's prediction of the next MoE layer,
-    as numpy arrays `[L, B·S, ...]` (`glmjax.model.forward.route_record`). Recorded inside the
+    as numpy arrays `[L, B·S, ...]` (`glmjax.model.records.route_record`). Recorded inside the
     jit for resident models; through the engine's layer steps for offloaded ones.
     `fetch=False` returns device arrays without waiting for them (pipelined replays)."""
     self._check_open()

@@ -86,9 +86,10 @@ class Options:
       ~/.cache/glmjax/xla; a directory already configured for JAX is kept), so the next
       process loads them instead of compiling. False leaves JAX's setting as it is.
     compile_unit: what a resident (or fused offloaded) step compiles as: "layer" (each decoder
-      layer one program, shared by identical layers: compile time flat in depth), "step" (the
-      whole step one program: faster to compile for a shallow model), or "auto" ("step" up to
-      three layers per distinct layer, else "layer"; measured on a CPU, DESIGN.md §4).
+      layer two programs, attention and MLP, each shared by the layers with that half: compile
+      time flat in depth), "step" (the whole step one program: as fast to compile for a
+      shallow model, fewer dispatches), or "auto" ("step" up to two layers per distinct layer,
+      else "layer"; measured on a CPU, DESIGN.md §4).
   """
 
   dtype: str = "auto"

@@ -9,8 +9,8 @@ float experts, alternating full and shared indexers), the resident `prefill_fn` 
 on random weights, the persistent cache off and the in-memory caches cleared before each of
 --repeats rounds: the seconds JAX spends tracing, lowering and compiling (`CompileClock`) and
 the first call's wall time. Reports medians and each depth's ratio to the first, side by side
-for the layer steps (each decoder layer one jitted `layer_step`: identical layers compile once,
-DESIGN.md §4), the same steps inlined into one program, and what the executor picks for the
+for the layer steps (each decoder layer two jitted halves, `layer_step`: identical halves
+compile once, DESIGN.md §4), the same steps inlined into one program, and what the executor picks for the
 depth (`forward.entry_points`). `--glm5_layers=4,8,24,77 --layers=` lowers and compiles the
 steps at GLM-5's dims instead, from abstract weights (nothing is allocated or run).
 """
@@ -55,7 +55,13 @@ flags.DEFINE_string("fused_stores", None, "Also time the offload engine's fused 
 def model_at(layers: int):
   """(config, random weights) of the tiny geometry at `layers` total depth."""
   cfg = Config.from_dict(synthetic_config("tiny", moe_layers=layers - DENSE_LAYERS, mtp=False))
-  return cfg, weights.init(cfg, with_mtp=False)
+  return cfg, _put(weights.init(cfg, with_mtp=False))
+
+
+def _put(x):
+  """`x` committed to the device, as the executor puts every input (`Executor.put`): a jit
+  compiles once per mix of committed and uncommitted arguments."""
+  return jax.device_put(x, jax.local_devices()[0])
 
 
 def first_steps(cfg: Config, w, fns: dict) -> dict:
@@ -63,9 +69,9 @@ def first_steps(cfg: Config, w, fns: dict) -> dict:
   through `fns` (`forward.LAYER_STEPS` or `forward.ONE_PROGRAM`)."""
   cache = kvcache.init_cache(cfg, 1, FLAGS.capacity)
   toks = np.arange(FLAGS.prefill_tokens, dtype=np.int32)[None] % cfg.vocab_size
-  steps = {"prefill": lambda c: fns["prefill"](w, c, jnp.asarray(toks), jnp.int32(len(toks[0])),
+  steps = {"prefill": lambda c: fns["prefill"](w, c, _put(toks), _put(np.int32(len(toks[0]))),
                                                cfg=cfg),
-           "decode": lambda c: fns["decode"](w, c, jnp.asarray(toks[:, :1]), cfg=cfg)}
+           "decode": lambda c: fns["decode"](w, c, _put(toks[:, :1]), cfg=cfg)}
   out = {}
   for name, step in steps.items():
     with CompileClock() as clock:
@@ -78,7 +84,7 @@ def first_steps(cfg: Config, w, fns: dict) -> dict:
 
 def fused_compile(path: str, one_program: bool) -> float:
   """The fused step's compile seconds on the store at `path`, fully cached, as one program or
-  a `fused_layer` per layer."""
+  two jitted halves per layer."""
   import glmjax
   with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0, host_cache_gb=1.0,
                    compile_cache=False, compile_unit="step" if one_program else "layer") as m:
@@ -113,34 +119,42 @@ def fused_rows(depths: list[int]) -> list[dict]:
   return rows
 
 
-def _per_layer(fn, layers, cfg, x, cache, n_valid, extra, **static) -> tuple[float, int]:
-  """Seconds to lower and compile `fn` once per distinct layer, the executor's way (identical
-  layers share a program), with each layer's `extra(i)` argument; and the programs' count."""
+def _per_half(layers, cfg, x, cache, n_valid, mlp, extra, absorbed) -> tuple[float, int]:
+  """Seconds to lower and compile each distinct half-layer program once, the executor's way:
+  `attention_step` over each layer's attention half, then `mlp` (`mlp_step`, `fused_mlp`) over
+  its MLP half with `extra(i)`; and the programs' count."""
+  import dataclasses
   import functools
-  from glmjax.model.forward import Chunk
+  from glmjax.model.forward import Chunk, attention_half, attention_step, mlp_half
   jax.clear_caches()  # JAX keeps compiled programs by their text: a depth before is no help
   seen, selection, t0 = set(), None, time.perf_counter()
+  chunk = Chunk(x, cache.length, n_valid, None, cache.pages)
   for i, lw in enumerate(layers):
-    args = (lw, Chunk(x, cache.length, n_valid, selection, cache.pages), cache.layers[i], extra(i))
-    key = (jax.tree_util.tree_structure(args), tuple(
-        (a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
-    if key not in seen:
-      seen.add(key)
-      fn.lower(*args, cfg=cfg, **static).compile()
-    selection = jax.eval_shape(functools.partial(fn, cfg=cfg, **static), *args)[0].selection
+    attn_in = dataclasses.replace(chunk, selection=None if lw.attn.indexer is not None
+                                  else selection)  # as `layer_step`
+    halves = [(attention_step, (attention_half(lw), attn_in, cache.layers[i]),
+               {"absorbed": absorbed}), (mlp, (mlp_half(lw), chunk, extra(i)), {})]
+    for fn, args, kw in halves:
+      key = (fn, jax.tree_util.tree_structure(args), tuple(
+          (a.shape, a.dtype) for a in jax.tree_util.tree_leaves(args)))
+      if key not in seen:
+        seen.add(key)
+        fn.lower(*args, cfg=cfg, **kw).compile()
+    selection = jax.eval_shape(functools.partial(attention_step, cfg=cfg, absorbed=absorbed),
+                               *halves[0][1])[1]
   return time.perf_counter() - t0, len(seen)
 
 
 def glm5_rows(depths: list[int]) -> list[dict]:
   """Seconds to lower and compile a --prefill_tokens chunk and a decode step at GLM-5's dims
-  per depth: each distinct layer's `layer_step` once (what the executor compiles past
-  ONE_PROGRAM_LAYERS_PER_KIND), the offload engine's fused step the same way (`fused_layer`
-  over a 256-slot host slab), and the whole step as one program at depths up to 24."""
+  per depth: each distinct half-layer program once (`layer_step`'s halves, what the executor
+  compiles past ONE_PROGRAM_LAYERS_PER_KIND), the offload engine's fused step the same way
+  (`fused_mlp` over a 256-slot host slab), and the whole step as one program at depths up to 24."""
   import dataclasses
   from glmjax.formats.store import ExpertLayout
-  from glmjax.model.forward import layer_step
+  from glmjax.model.forward import mlp_step
   from glmjax.model.quant import ExpertPool
-  from glmjax.offload.fused import fused_layer
+  from glmjax.offload.fused import fused_mlp
   from glmjax.offload.tiers import empty_pool
   rows = []
   for d in depths:
@@ -165,10 +179,11 @@ def glm5_rows(depths: list[int]) -> list[dict]:
     for phase, width in (("prefill", FLAGS.prefill_tokens), ("decode", 1)):
       x = jax.ShapeDtypeStruct((1, width, cfg.hidden_size), jnp.float32)
       n_valid = jax.ShapeDtypeStruct((), jnp.int32) if phase == "prefill" else None
-      row[f"{phase}_layer_steps_s"], row[f"{phase}_layer_programs"] = _per_layer(
-          layer_step, w.layers, cfg, x, cache, n_valid, lambda i: None)
-      row[f"{phase}_fused_layers_s"], row[f"{phase}_fused_programs"] = _per_layer(
-          fused_layer, dense.layers, cfg, x, cache, n_valid, tiers, absorbed=width <= 4)
+      absorbed = True if phase == "decode" else None  # as the executor's
+      row[f"{phase}_layer_steps_s"], row[f"{phase}_layer_programs"] = _per_half(
+          w.layers, cfg, x, cache, n_valid, mlp_step, lambda i: None, absorbed)
+      row[f"{phase}_fused_layers_s"], row[f"{phase}_fused_programs"] = _per_half(
+          dense.layers, cfg, x, cache, n_valid, fused_mlp, tiers, width <= 4)
       if d <= 24:
         toks = jax.ShapeDtypeStruct((1, width), jnp.int32)
         jax.clear_caches()

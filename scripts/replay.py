@@ -60,7 +60,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import glmjax
   from tqdm import tqdm
-  from glmjax.model.forward import RecordOptions
+  from glmjax.model.records import RecordOptions
   from glmjax.replay import record
   from glmjax.formats import corpus
   from glmjax.runtime import compile_cache

@@ -96,10 +96,11 @@ def test_bench_depth_tiny(tmp_path):
     assert d["engine"]["prefill"]["expert_bytes_read"] >= d["replay"]["belady_prefill"]["bytes"]
 
 
-def test_bench_compile_at_glm5_dims_compiles_each_distinct_layer_once(tmp_path):
+def test_bench_compile_at_glm5_dims_compiles_each_distinct_half_once(tmp_path):
   """bench_compile's abstract GLM-5 path at 1 dense + 3 MoE layers: the layer steps and the
-  fused step each compile one program per distinct layer (3: the dense one and two kinds of MoE
-  layer), not one per layer, and time them along with the one program."""
+  fused step each compile one program per distinct half layer (4: attention with a full and
+  with a shared indexer, a dense and a MoE MLP), not one per layer, and time them along with
+  the one program."""
   out = tmp_path / "compile.json"
   r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_compile.py"),
                       "--layers=", "--glm5_layers=4", "--prefill_tokens=8", "--capacity=64",
@@ -108,6 +109,6 @@ def test_bench_compile_at_glm5_dims_compiles_each_distinct_layer_once(tmp_path):
   (row,) = json.loads(out.read_text())["glm5_dims"]
   assert row["layers"] == 4
   for phase in ("prefill", "decode"):
-    assert row[f"{phase}_layer_programs"] == row[f"{phase}_fused_programs"] == 3
+    assert row[f"{phase}_layer_programs"] == row[f"{phase}_fused_programs"] == 4
     for kind in ("layer_steps", "fused_layers", "one_program"):
       assert row[f"{phase}_{kind}_s"] > 0

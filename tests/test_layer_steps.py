@@ -1,6 +1,7 @@
-"""Resident steps: each decoder layer one jitted `layer_step` that identical layers share, or the
-same steps inlined into one program for a shallow model (`forward.entry_points`). Both give the
-bits of the one forward pass in one jit, and a deep stack compiles one step per distinct layer."""
+"""Resident steps: each decoder layer two jitted halves (`forward.layer_step`: attention, then
+MLP) that layers with the same half share, or the same steps inlined into one program for a
+shallow model (`forward.entry_points`). Both give the bits of the one forward pass in one jit,
+and a deep stack compiles one program per distinct half."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from glmjax.formats.synthetic import DENSE_LAYERS, synthetic_config
 from glmjax.model import forward, kvcache, weights
 from glmjax.model.config import Config
 
-DEPTH = 10  # total layers: past three per distinct layer (3 here), so the executor steps them
+DEPTH = 10  # total layers: past two per distinct layer (3 here), so the executor steps them
 PROMPT = 13  # tokens of the prefill chunk (odd: a width no other test compiles)
 
 
 @functools.cache
 def _model():
   cfg = Config.from_dict(synthetic_config("tiny", moe_layers=DEPTH - DENSE_LAYERS, mtp=False))
-  return cfg, weights.init(cfg, seed=3, with_mtp=False)
+  # committed to the device, as the executor's weights are: a jit compiles once per mix of
+  # committed and uncommitted arguments (the embedding's output feeds the first layer)
+  return cfg, jax.device_put(weights.init(cfg, seed=3, with_mtp=False), jax.local_devices()[0])
 
 
 def _whole(cfg, w, tokens):
@@ -68,36 +71,41 @@ def test_layer_steps_and_one_program_give_the_whole_jits_bits():
       np.testing.assert_array_equal(got, ref)
 
 
-def test_a_deep_stack_compiles_one_step_per_distinct_layer():
+def test_a_deep_stack_compiles_one_program_per_distinct_half():
   cfg, w = _model()
-  kinds = forward.distinct_layers(w)
-  assert kinds == 3 and len(w.layers) == DEPTH  # dense + full, MoE + full, MoE + shared
+  assert forward.distinct_layers(w) == 3 and len(w.layers) == DEPTH
+  # dense + full, MoE + full, MoE + shared: two attention halves (full and shared indexer; the
+  # dense layer's is a full one) and two MLP halves (dense, MoE)
+  assert {lw.attn.indexer is None for lw in w.layers} == {True, False}
   assert forward.entry_points(w) is forward.LAYER_STEPS
-  before = forward.layer_step._cache_size()
+  before = forward.attention_step._cache_size(), forward.mlp_step._cache_size()
   cache = kvcache.init_cache(cfg, 1, 64)
   tokens = jnp.zeros((1, PROMPT + 2), jnp.int32)  # a width of its own
   forward.prefill_fn(w, cache, tokens, jnp.int32(PROMPT), cfg=cfg)
-  assert forward.layer_step._cache_size() - before == kinds
+  assert forward.attention_step._cache_size() - before[0] == 2
+  assert forward.mlp_step._cache_size() - before[1] == 2
 
 
 def test_the_executor_keeps_a_shallow_model_in_one_program():
-  """The rule against its statement: one program up to three layers per distinct layer."""
-  for layers in (4, 9, 10, 24):
+  """The rule against its statement: one program up to two layers per distinct layer."""
+  for layers in (4, 6, 7, 10, 24):
     cfg = Config.from_dict(synthetic_config("tiny", moe_layers=layers - DENSE_LAYERS, mtp=False))
     w = weights.abstract(cfg, jnp.float32, with_mtp=False)
     w = weights.map_infos(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), w)
     kinds = forward.distinct_layers(w)
-    want = forward.ONE_PROGRAM if layers <= 3 * kinds else forward.LAYER_STEPS
+    want = forward.ONE_PROGRAM if layers <= 2 * kinds else forward.LAYER_STEPS
     assert forward.entry_points(w) is want, layers
   assert forward.entry_points(_model()[1]) is forward.LAYER_STEPS
 
 
 def test_a_deep_stores_fused_step_runs_layer_by_layer_with_the_layer_paths_bits(tmp_path):
-  """A fully cached store as deep as `_model`'s: its fused step runs a jitted `fused_layer` per
-  layer (one executable per distinct layer) and gives the bits of the engine's layer steps."""
+  """A fully cached store as deep as `_model`'s: its fused step runs each layer as two jitted
+  halves (`attention_step`, `fused_mlp`: a program per distinct half) and gives the bits of
+  the engine's layer steps."""
   import glmjax
   from glmjax.formats import synthetic
-  from glmjax.offload.fused import fused_layer
+  from glmjax.model.forward import attention_step
+  from glmjax.offload.fused import fused_mlp
   path = str(tmp_path / "deep")
   synthetic.make_synthetic_store(path, geometry="tiny", moe_layers=DEPTH - DENSE_LAYERS,
                                  experts=8, mtp=False, progress=False)
@@ -110,15 +118,15 @@ def test_a_deep_stores_fused_step_runs_layer_by_layer_with_the_layer_paths_bits(
       eng.fused_step.enabled = fused
       eng.warm_host()
       assert eng.tiers.all_cached(eng.moe_layers) and not eng.fused_step.one_program
-      before = fused_layer._cache_size()
+      before = attention_step._cache_size() + fused_mlp._cache_size()
       out = m.generate(prompt, 6, stop_ids=[]).tokens
       logits = m.score([prompt])
       runs[fused] = (out, logits, eng.telemetry().get("fused_steps", 0),
-                     fused_layer._cache_size() - before)
+                     attention_step._cache_size() + fused_mlp._cache_size() - before)
   assert runs[True][2] > 0 and runs[False][2] == 0
   assert runs[True][0] == runs[False][0]
   np.testing.assert_array_equal(runs[True][1], runs[False][1])
-  assert 0 < runs[True][3] <= 3 * 4  # distinct layers x (prefill, decode, score widths)
+  assert 0 < runs[True][3] <= 4 * 3  # distinct halves x (prefill, decode, score)
 
 
 def test_compile_unit_chooses_and_a_bad_one_is_refused():

@@ -9,7 +9,7 @@ Per expert `e` of a MoE layer, over the real (non-padding) tokens routed to it:
   (GPTQ's Hessians). Sums, not means: batches add up exactly on the host (float64).
 
 The statistics are taken inside the same jitted forward that scores the text, by an expert
-provider that wraps the resident one (as `forward.recording` does for routing): the model's
+provider that wraps the resident one (as `records.recording` does for routing): the model's
 outputs are unchanged. Each expert's SwiGLU output is recomputed from its own weights (float,
 or the quantized pool dequantized: a store's statistics are the quantized model's), one expert
 at a time (`lax.map`), so the working memory is one expert's `[T, 2F]`, not `[T, E, 2F]`.

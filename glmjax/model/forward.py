@@ -4,11 +4,11 @@ Letters: B batch, S sequence (queries), T cache capacity, D hidden, V vocabulary
 
 The forward pass is written once (`forward`, and `mtp_forward` for the MTP block), from three
 pure pieces per layer: attention + route, routed experts through an expert provider, and
-combine + shared expert + residual. Resident models run each layer's pieces as one jitted
-`layer_step` (the entry points at the bottom), inlined into one program for a shallow model;
-the offload engine drives the same pieces jitted one by one (`JITTED`) with its tiered provider
-and host work between them. Decoder layers are a Python loop, so each layer
-keeps its own structure (dense or MoE, full or shared indexer).
+combine + shared expert + residual. Resident models run each layer as two jitted halves
+(`layer_step`: attention, then MLP; the entry points at the bottom), inlined into one program
+for a shallow model; the offload engine drives the same pieces jitted one by one (`JITTED`)
+with its tiered provider and host work between them. Decoder layers are a Python loop, so each
+layer keeps its own structure (dense or MoE, full or shared indexer).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_
                               route_capped, route_scores)
 from glmjax.model.mtp import mtp_input, mtp_output_logits
 from glmjax.model.quant import ExpertPool
+from glmjax.model.records import RecordOptions, next_moe, recording, stack_records
 from glmjax.model.weights import MoE, Weights
 
 
@@ -77,23 +78,25 @@ class LayerHead:
   route_stats: Any = None
 
 
-def attn_route(lw, chunk: "Chunk", cfg: Config, kv: PagedLayer | None = None,
-               absorbed: bool | None = None, routing: Routing | None = None,
-               runtime: Runtime = Runtime()) -> LayerHead:
-  """A layer up to its experts for the `chunk`'s `x` `[B, S, D]` at positions start..start+S-1
-  (its `selection` the last full indexer layer's): attention (+ residual) and the MLP norm;
-  MoE layers route (`routing`: exact top-k when None), dense layers finish their MLP. `kv` is
-  this layer's pool and page table (glmjax.model.kvcache)."""
-  x = chunk.x
+def attend(lw, chunk: "Chunk", cfg: Config, kv: PagedLayer | None = None,
+           absorbed: bool | None = None, runtime: Runtime = Runtime()):
+  """A layer's attention half for the `chunk`'s `x` `[B, S, D]` at positions start..start+S-1
+  (its `selection` the last full indexer layer's): norm, attention, residual. Returns (x, the
+  layer's cache, the selection). `kv` is this layer's pool and page table (`kvcache`)."""
   with jax.named_scope("attention"):
-    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(chunk.x, lw.attn_norm, cfg.rms_norm_eps)
     a, cache, selection = attention(lw.attn, h, chunk.start, cfg, kv, chunk.selection,
                                     absorbed, runtime)
-    x = x + a
+    return chunk.x + a, cache, selection
+
+
+def mlp_head(lw, x, cfg: Config, routing: Routing | None = None) -> LayerHead:
+  """A layer's MLP half up to its experts for the post-attention residual `x`: the MLP norm;
+  MoE layers route (`routing`: exact top-k when None), dense layers finish their MLP."""
   hm = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
   if not isinstance(lw.mlp, MoE):
     with jax.named_scope("mlp"):
-      return LayerHead(x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), cache, selection)
+      return LayerHead(x + swiglu(hm, lw.mlp.gate_up, lw.mlp.down), None, None)
   flat = hm.reshape(-1, hm.shape[-1])  # [T, D]
   m, stats = lw.mlp, None
   with jax.named_scope("route"):
@@ -105,7 +108,15 @@ def attn_route(lw, chunk: "Chunk", cfg: Config, kv: PagedLayer | None = None,
                                         routing.keep, routing.rank)
     else:
       ids, w = route(flat, m.router, m.bias, cfg)
-  return LayerHead(x, cache, selection, flat, ids, w, stats)
+  return LayerHead(x, None, None, flat, ids, w, stats)
+
+
+def attn_route(lw, chunk: "Chunk", cfg: Config, kv: PagedLayer | None = None,
+               absorbed: bool | None = None, routing: Routing | None = None,
+               runtime: Runtime = Runtime()) -> LayerHead:
+  """A layer up to its experts: `attend`, then `mlp_head`."""
+  x, cache, selection = attend(lw, chunk, cfg, kv, absorbed, runtime)
+  return dataclasses.replace(mlp_head(lw, x, cfg, routing), cache=cache, selection=selection)
 
 
 def moe_finish(m: MoE, x, flat, ys, w):
@@ -236,63 +247,6 @@ def sharded_terms(flat, ids, active, experts, mesh, kernel: str = "auto"):
                        out_specs=P())(experts, flat, ids, active)
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordOptions:
-  """What `recording` keeps per MoE layer besides the ids: the top `top_m` selection scores and
-  the pilot's top `pilot_p` prediction of the next MoE layer (both capped at E)."""
-  top_m: int = 64
-  pilot_p: int = 16
-
-
-def route_record(m: MoE, next_lw, x, flat, ids, cfg: Config, opts: RecordOptions):
-  """One MoE layer's routing record for `flat` `[T, D]` routed to `ids` `[T, K]` (post-attention
-  residual `x` `[B, S, D]`): a dict of ids, weights `[T, K]`; score_ids, scores `[T, M]`; pilot,
-  pilot_scores `[T, P]`: the next MoE layer's router applied to this layer's residual, ranked
-  by selection score (-1 and 0 when the next layer is not a MoE layer)."""
-  e = cfg.n_routed_experts
-  m_, p_ = min(opts.top_m, e), min(opts.pilot_p, e)
-  w, score_ids, scores = route_scores(flat, m.router, m.bias, cfg, ids, m_)
-  rec = dict(ids=ids, weights=w, score_ids=score_ids, scores=scores)
-  if next_lw is not None:
-    h = rms_norm(x, next_lw.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
-    _, pilot, pilot_scores = route_scores(h, next_lw.mlp.router, next_lw.mlp.bias, cfg, ids, p_)
-  else:
-    pilot = jnp.full((flat.shape[0], p_), -1, jnp.int32)
-    pilot_scores = jnp.zeros((flat.shape[0], p_), F32)
-  return {**rec, "pilot": pilot, "pilot_scores": pilot_scores}
-
-
-route_record_step = jax.jit(route_record, static_argnames=("cfg", "opts"))
-
-
-def next_moe(w: Weights, layer: int):
-  """The weights of the layer after `layer` when it is a MoE layer (the pilot's), else None."""
-  nxt = w.layers[layer + 1] if layer + 1 < len(w.layers) else None
-  return nxt if nxt is not None and isinstance(nxt.mlp, MoE) else None
-
-
-def recording(experts: ExpertProvider, next_of: Callable, cfg: Config, out: list,
-              opts: RecordOptions = RecordOptions(), jitted: bool = False) -> ExpertProvider:
-  """`experts`, appending each MoE layer's `route_record` to `out` as it goes by (`next_of(layer)`:
-  the next MoE layer's weights or None, as `next_moe`); inside a jit the records are traced
-  values: return them; `jitted=True` runs each record as its own jit, for providers called
-  between jitted steps."""
-  record = route_record_step if jitted else route_record
-
-  def provide(layer, m, chunks):
-    nxt = next_of(layer)
-    recs = [record(m, nxt, r.x, r.flat, r.ids, cfg=cfg, opts=opts) for r in chunks]
-    out.append(recs[0] if len(recs) == 1 else  # a layer-major prefill: one record per layer
-               {k: jnp.concatenate([r[k] for r in recs]) for k in recs[0]})
-    yield from experts(layer, m, chunks)
-  return provide
-
-
-def stack_records(records: list) -> dict:
-  """Per-layer records → one dict of `[L, T, ...]` arrays."""
-  return {k: jnp.stack([r[k] for r in records]) for k in records[0]}
-
-
 def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
   """The routed + shared experts of one MoE layer for `x` `[..., D]` (no residual): route,
   the resident provider, combine; the same pieces as `forward`."""
@@ -307,7 +261,7 @@ def moe_block(m: MoE, x, cfg: Config, kernel: str = "auto"):
 class Chunk:
   """A piece of the token sequence going through the layers: its hidden states `[B, S, D]`,
   first position (int32 `[]`, or `[B]` per row), real positions (`n_valid`, None: all), the
-  selection the last full indexer layer made for it and, for `layer_step`, the page table
+  selection the last full indexer layer made for it and, for the jitted steps, the page table
   `[B, W]` its rows' keys live in (None without a cache)."""
   x: Any
   start: Any
@@ -340,21 +294,28 @@ def _layer(i: int, lw, chunks: list[Chunk], cfg: Config, cache: PagedLayer | Non
   `experts` (given all the chunks' routing at once). Returns the layer's cache."""
   how = drive.routing(i) if drive.routing is not None else None  # this layer's Routing, or None
   lc, pages = (None, None) if cache is None else (cache.cache, cache.pages)
-  routed, weights = [], []
+  heads = []
   for c in chunks:
     head = drive.steps.attn_route(
         lw, c.x, c.start, cfg=cfg, cache=lc, pages=pages, selection=c.selection,
         absorbed=absorbed, routing=None if how is None else how.for_rows(c.n_valid),
         runtime=drive.runtime)
     c.x, lc, c.selection = head.x, head.cache, head.selection
-    routed.append(Routed(head.x, head.flat, head.ids, c.n_valid, head.route_stats))
-    weights.append(head.weights)
-  if routed[0].ids is not None:
-    with jax.named_scope("experts"):
-      # Run the provider to its end (a zip would stop before the work after its last chunk).
-      for j, ys in enumerate(experts(i, lw.mlp, routed)):
-        chunks[j].x = drive.steps.finish(lw.mlp, chunks[j].x, routed[j].flat, ys, weights[j])
+    heads.append(head)
+  if heads[0].ids is not None:
+    _experts_finish(i, lw.mlp, chunks, heads, experts, drive.steps.finish)
   return lc
+
+
+def _experts_finish(i: int, m: MoE, chunks: list[Chunk], heads: list[LayerHead],
+                    experts: ExpertProvider, finish: Callable):
+  """MoE layer `i`'s routed experts for every chunk's `head` (`experts` given them at once),
+  then each chunk's combine, shared expert and residual (`finish`), in order."""
+  routed = [Routed(h.x, h.flat, h.ids, c.n_valid, h.route_stats) for c, h in zip(chunks, heads)]
+  with jax.named_scope("experts"):
+    # Run the provider to its end (a zip would stop before the work after its last chunk).
+    for j, ys in enumerate(experts(i, m, routed)):
+      chunks[j].x = finish(m, heads[j].x, routed[j].flat, ys, heads[j].weights)
 
 
 def valid_rows(shape, n_valid, xp=np):
@@ -393,7 +354,7 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
 
   This is the one forward pass: inside a caller's jit with `PURE` steps (training, the tests'
   reference), or driven step by step by the offload engine with `JITTED` steps and its tiered
-  experts (`Drive`); resident entry points run its layer body per layer (`layer_step`).
+  experts (`Drive`); resident entry points run its pieces per half layer (`layer_step`).
   Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
   Positions at or past `n_valid` are padding: they never select experts. Without a cache the
   tokens sit at `start`.. (0 by default); inside a jit, pass it as a traced int32 zero
@@ -432,20 +393,15 @@ def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None =
 
 # --- entry points of resident models -------------------------------------------------------
 
-# A resident pass runs each decoder layer as one jitted `layer_step`, shared by layers of one
-# structure and shape, so compile time does not grow with depth (a shallow model: one program,
-# `entry_points`). `cfg` and `runtime` are static: they select different code, not shapes.
+# A resident pass runs each decoder layer as two jitted halves (`layer_step`), each shared by
+# the layers whose half has its structure and shapes, so compile time does not grow with depth
+# (a shallow model: one program, `entry_points`). `cfg` and `runtime` are static: they select
+# different code, not shapes. A jit compiles once per mix of committed and uncommitted
+# arguments: the executor commits every input (`Executor.put`).
 
 def fresh_start():
   """A cache-less forward's start position as a run-time int32 zero (see `forward`)."""
   return jnp.zeros((), jnp.int32)
-
-
-def one_layer(lw, chunk: Chunk, pool, cfg: Config, absorbed, drive: Drive):
-  """Decoder layer `lw` for `chunk` (updated in place) through `drive` (its provider gets the
-  layer as index 0), its `pool` addressed by the chunk's pages: the new pool (None without)."""
-  kv = None if pool is None else PagedLayer(pool, chunk.pages)
-  return _layer(0, lw, [chunk], cfg, kv, absorbed, drive, drive.provider)
 
 
 def through_layers(w: Weights, chunk: Chunk, cache: KVCache | None, step: Callable):
@@ -461,21 +417,65 @@ def through_layers(w: Weights, chunk: Chunk, cache: KVCache | None, step: Callab
   return chunk, None if cache is None else KVCache(pools, cache.pages, cache.length), records
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime", "record"),
+def attention_half(lw):
+  """Layer `lw`'s attention half (its MLP's weights None): what `attention_step` takes."""
+  return dataclasses.replace(lw, mlp_norm=None, mlp=None)
+
+
+def mlp_half(lw):
+  """Layer `lw`'s MLP half (its attention's weights None): what `mlp_step` takes."""
+  return dataclasses.replace(lw, attn_norm=None, attn=None)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime"),
                    donate_argnames=("pool",))
-def layer_step(lw, chunk: Chunk, pool, next_lw, cfg: Config, absorbed=None,
-               runtime: Runtime = Runtime(), record: RecordOptions | None = None):
-  """One decoder layer of resident weights `lw` for the `chunk` (`one_layer`, the resident
-  provider), its `pool` donated (None without a cache). With `record`, a MoE layer's routing
-  record (`next_lw`: the next MoE layer's weights, for the pilot). Returns (the chunk after the
-  layer, the new pool, the record or None)."""
+def attention_step(lw, chunk: Chunk, pool, cfg: Config, absorbed=None,
+                   runtime: Runtime = Runtime()):
+  """`attend` for the `chunk` as one jitted step, its `pool` donated (None without a cache):
+  (x, the selection, the new pool)."""
+  kv = None if pool is None else PagedLayer(pool, chunk.pages)
+  x, pool, selection = attend(lw, chunk, cfg, kv, absorbed, runtime)
+  return x, selection, pool
+
+
+def mlp_through(lw, chunk: Chunk, cfg: Config, experts: ExpertProvider):
+  """A layer's MLP half for the `chunk` (`mlp_head`; at a MoE layer its experts from
+  `experts`, given the layer as index 0, and `moe_finish`): x after it."""
+  head = mlp_head(lw, chunk.x, cfg)
+  chunk = dataclasses.replace(chunk, x=head.x)
+  if head.ids is not None:
+    _experts_finish(0, lw.mlp, [chunk], [head], experts, moe_finish)
+  return chunk.x
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "runtime", "record"))
+def mlp_step(lw, chunk: Chunk, next_lw, cfg: Config, runtime: Runtime = Runtime(),
+             record: RecordOptions | None = None):
+  """`mlp_through` of resident weights as one jitted step: (x after it, with `record` a MoE
+  layer's routing record (`next_lw`: the next MoE layer's weights, for the pilot), else
+  None)."""
   records: list = []
   experts = resident_experts(runtime)
   if record is not None:
     experts = recording(experts, lambda _: next_lw, cfg, records, record)
-  chunk = dataclasses.replace(chunk)  # updated in place
-  new = one_layer(lw, chunk, pool, cfg, absorbed, Drive(experts, runtime=runtime))
-  return chunk, new, records[0] if records else None
+  return mlp_through(lw, chunk, cfg, experts), records[0] if records else None
+
+
+def layer_step(lw, chunk: Chunk, pool, cfg: Config, absorbed=None, runtime: Runtime = Runtime(),
+               mlp: Callable | None = None):
+  """One decoder layer for the `chunk` as two jitted halves: `attention_step`, then `mlp(the
+  MLP half, chunk)` → (x, extra) (`mlp_step` of resident weights by default). Layers share a
+  half's program wherever its structure and shapes agree, a dense layer's attention the MoE
+  layers' too (DESIGN.md §4). The steps return only what they change, so every layer gets the
+  caller's start, `n_valid` and pages: one signature. Returns (chunk, new pool, the extra)."""
+  if lw.attn.indexer is not None:  # a full layer makes its own selection: the last one is no
+    chunk = dataclasses.replace(chunk, selection=None)  # input (and no second program)
+  x, selection, pool = attention_step(attention_half(lw), chunk, pool, cfg=cfg,
+                                      absorbed=absorbed, runtime=runtime)
+  chunk = dataclasses.replace(chunk, x=x, selection=selection)
+  mlp = mlp or (lambda m, c: mlp_step(m, c, None, cfg=cfg, runtime=runtime))
+  x, extra = mlp(mlp_half(lw), chunk)
+  return dataclasses.replace(chunk, x=x), pool, extra
 
 
 def _stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absorbed=None,
@@ -488,8 +488,9 @@ def _stepped(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, abso
   chunk = Chunk(JITTED.embed(w, tokens), start, n_valid,  # [B, S, D]
                 pages=None if cache is None else cache.pages)
   step = lambda i, lw, chunk, pool: layer_step(
-      lw, chunk, pool, next_moe(w, i) if record is not None else None, cfg=cfg,
-      absorbed=absorbed, runtime=runtime, record=record)
+      lw, chunk, pool, cfg, absorbed, runtime, lambda m, c: mlp_step(
+          m, c, next_moe(w, i) if record is not None else None, cfg=cfg, runtime=runtime,
+          record=record))
   chunk, cache, records = through_layers(w, chunk, cache, step)
   return chunk.x, cache, records
 
@@ -562,16 +563,16 @@ def decode_fn(w: Weights, cache: KVCache, tokens, cfg: Config, runtime: Runtime 
 
 
 def distinct_layers(w: Weights) -> int:
-  """How many different `layer_step` executables `w`'s decoder layers need (per shape)."""
+  """How many different decoder layers (structure and shapes) `w` has."""
   kind = lambda lw: (jax.tree_util.tree_structure(lw),
                      tuple((a.shape, a.dtype) for a in jax.tree_util.tree_leaves(lw)))
   return len({kind(lw) for lw in w.layers})
 
 
 # The entry points as one program each, the layer steps inlined: XLA emits a kernel once per
-# program, so the layers inside one share kernels each layer step alone emits again; one
-# program compiles faster up to about three layers per distinct layer (DESIGN.md §4).
-ONE_PROGRAM_LAYERS_PER_KIND = 3
+# program, so the layers inside one share kernels the halves alone emit again; one program
+# compiles about as fast up to two layers per distinct layer (DESIGN.md §4).
+ONE_PROGRAM_LAYERS_PER_KIND = 2
 ONE_PROGRAM = {
     "prefill": jax.jit(prefill_fn, static_argnames=("cfg", "runtime", "record", "hidden"),
                        donate_argnames=("cache",)),

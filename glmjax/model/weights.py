@@ -368,8 +368,11 @@ def init(cfg: Config, seed: int = 0, dtype=jnp.float32, std: float = 0.02,
 def to_device(x, dtype) -> jax.Array:
   """A host array on the default device as `dtype`, converted on the host: `jnp.asarray(x,
   dtype)` compiles one conversion per distinct shape (about 20 of them loading the embedded
-  model, a quarter of a cold start's compile time)."""
-  return jax.device_put(np.asarray(x).astype(np.dtype(dtype), copy=False))
+  model, a quarter of a cold start's compile time). Committed to the device, as every input
+  of a step is (`Executor.put`): a jit compiles once per mix of committed and uncommitted
+  arguments (a layer step fed the embedding of uncommitted weights compiled twice)."""
+  return jax.device_put(np.asarray(x).astype(np.dtype(dtype), copy=False),
+                        jax.local_devices()[0])
 
 
 def nbytes(tree) -> int:

@@ -44,9 +44,10 @@ from tqdm import tqdm
 from glmjax.errors import ExpertIOError, InputError
 from glmjax.formats.store import ExpertStore
 from glmjax.model.config import Config, Runtime
-from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, RecordOptions, Routing, forward,
-                                  layers, mtp_forward, next_moe, recording)
+from glmjax.model.forward import (JITTED, Chunk, Drive, KVCache, Routing, forward, layers,
+                                  mtp_forward)
 from glmjax.model.moe import resolve_kernel
+from glmjax.model.records import RecordOptions, next_moe, recording
 from glmjax.model.weights import MoE, Weights
 from glmjax.offload.expert_io import DEMAND, ExpertReader, drop_page_cache
 from glmjax.offload.fused import FUSED_GUESS_TOKENS, FusedStep

@@ -1,7 +1,7 @@
 """The offload engine's fused step: the one forward pass over the CPU-resident tiers (the pin
 pools and the host slab, addressed through slot tables), for a step whose experts are (probably)
-all held, with no host round trip per layer: each decoder layer one jitted `fused_layer`, shared
-by identical layers, or for a shallow model all of them inlined into one program (the resident
+all held, with no host round trip per layer: each decoder layer two jitted halves (the resident
+`attention_step`, then `fused_mlp`), shared by identical halves, or for a shallow model all of them inlined into one program (the resident
 rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own
 (`TierRules.lookup`, then `TierRules.fold`), applied after the step from its routing record.
 """
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.model.config import Config, Runtime
-from glmjax.model.forward import (JITTED, ONE_PROGRAM, Chunk, Drive, entry_points, fresh_start,
-                                  one_layer, through_layers, valid_rows)
+from glmjax.model.forward import (JITTED, ONE_PROGRAM, Chunk, entry_points, fresh_start,
+                                  layer_step, mlp_through, through_layers, valid_rows)
 from glmjax.model.layers import F32
 from glmjax.model.moe import pool_terms
 from glmjax.model.weights import Weights
@@ -40,15 +40,13 @@ def _tier_terms(flat, valid, ids, pool, table):
   return pool_terms(flat, pool, jnp.maximum(slots, 0), valid & found, "cpu"), found
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "runtime"),
-                   donate_argnames=("pool",))
-def fused_layer(lw, chunk: Chunk, pool, tiers: dict | None, cfg: Config, absorbed: bool,
-                runtime: Runtime = Runtime()):
-  """One decoder layer of the fused step for `chunk`, its KV `pool` donated. A MoE layer gathers
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def fused_mlp(lw, chunk: Chunk, tiers: dict | None, cfg: Config):
+  """A decoder layer's MLP half in the fused step (`forward.mlp_through`). A MoE layer gathers
   its experts from its pin pool and the host slab through slot tables (`tiers`: "pins" the pool
-  or None, "pin" its table `[E]`, "slab" the slab or None, "host" its table `[E]`). Returns (the
-  chunk, the new pool, (missing: real (token, rank) pairs no tier held `[]`, ids `[T, K]`) at a
-  MoE layer, else None)."""
+  or None, "pin" its table `[E]`, "slab" the slab or None, "host" its table `[E]`). Returns (x
+  after it, (missing: real (token, rank) pairs no tier held `[]`, ids `[T, K]`) at a MoE layer,
+  else None)."""
   seen = []
 
   def provide(layer, m, chunks):
@@ -64,14 +62,12 @@ def fused_layer(lw, chunk: Chunk, pool, tiers: dict | None, cfg: Config, absorbe
     seen.append((jnp.sum(valid & ~found).astype(jnp.int32), ids.astype(jnp.int32)))
     yield terms
 
-  chunk = dataclasses.replace(chunk)  # updated in place
-  new = one_layer(lw, chunk, pool, cfg, absorbed, Drive(provide, runtime=runtime))
-  return chunk, new, seen[0] if seen else None
+  return mlp_through(lw, chunk, cfg, provide), seen[0] if seen else None
 
 
 def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: list, start, cfg: Config,
                   absorbed: bool, runtime: Runtime = Runtime()):
-  """The one forward pass over the CPU-resident tiers, each layer a `fused_layer` (`tiers[i]`:
+  """The one forward pass over the CPU-resident tiers, each layer's MLP a `fused_mlp` (`tiers[i]`:
   layer i's, None at a dense layer), for a step whose experts are (probably) all cached.
 
   Returns (logits, hidden, cache, record): `record` holds, per MoE layer, the real (token,
@@ -80,8 +76,8 @@ def fused_forward(dense: Weights, tokens, cache, n_valid, tiers: list, start, cf
   `length` and are rewritten)."""
   chunk = Chunk(JITTED.embed(dense, tokens), start if cache is None else cache.length, n_valid,
                 pages=None if cache is None else cache.pages)
-  step = lambda i, lw, chunk, pool: fused_layer(lw, chunk, pool, tiers[i], cfg=cfg,
-                                                absorbed=absorbed, runtime=runtime)
+  step = lambda i, lw, chunk, pool: layer_step(
+      lw, chunk, pool, cfg, absorbed, runtime, lambda m, c: fused_mlp(m, c, tiers[i], cfg=cfg))
   chunk, cache, record = through_layers(dense, chunk, cache, step)
   return JITTED.logits(dense, chunk.x, cfg=cfg), chunk.x, cache, record
 

@@ -1,5 +1,5 @@
 """Routing records → traces: the glue between the model's in-jit recording
-(`glmjax.model.forward.recording`) and the trace format (`glmjax.replay.trace`)."""
+(`glmjax.model.records.recording`) and the trace format (`glmjax.replay.trace`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from glmjax.model.forward import RecordOptions
+from glmjax.model.records import RecordOptions
 from glmjax.replay.trace import Trace, TraceWriter
 
 

@@ -3,8 +3,8 @@
 Decoding, speculation, serving, calibration and the studies take an executor (and a tokenizer
 where they need one), never `Model`, and never ask where the weights live:
 
-* `executor.ResidentExecutor`: each decoder layer one jitted `layer_step` over resident weights
-  (identical layers share an executable); a store whose experts all fit runs this way, its
+* `executor.ResidentExecutor`: each decoder layer two jitted halves over resident weights
+  (`layer_step`: identical halves share an executable); a store whose experts all fit runs this way, its
   engine kept for telemetry.
 * `offloaded.OffloadExecutor`: the offload engine's layer steps (glmjax.offload), its routed
   experts in the device/host/disk tiers.

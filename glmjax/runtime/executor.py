@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from glmjax.model.config import Config, Runtime
 from glmjax.runtime import compile_cache
-from glmjax.model.forward import KVCache, RecordOptions, bucket, entry_points, mtp_fn
+from glmjax.model.forward import KVCache, bucket, entry_points, mtp_fn
+from glmjax.model.records import RecordOptions
 
 MIN_BUCKET = 1  # a prefill is padded to the next power of two (DESIGN.md §4: padding a 4-token
 # prompt to 16 rows made its attention 4x the work)
@@ -71,7 +72,7 @@ class Executor(Protocol):
     at or past `n_valid` are padding, which routes no expert)."""
 
   def record(self, arr: np.ndarray, opts: RecordOptions, fetch: bool = True) -> dict:
-    """Teacher-forced routing records of `arr` `[B, S]` (`forward.route_record`)."""
+    """Teacher-forced routing records of `arr` `[B, S]` (`records.route_record`)."""
 
   def warm_batch(self, cache: KVCache, tokens: np.ndarray, lengths) -> KVCache:
     """Compiles a batch's decode step ahead, changing no counters; returns the cache."""
@@ -215,9 +216,9 @@ class Steps:
 
 
 class ResidentExecutor(Steps):
-  """Steps over resident weights: each decoder layer one jitted `layer_step` (identical layers
-  share its executable: compile time does not grow with depth), inlined into one program per
-  step for a shallow model (`forward.entry_points`)."""
+  """Steps over resident weights: each decoder layer two jitted halves (`layer_step`; the layers
+  with the same half share its executable: compile time does not grow with depth), inlined
+  into one program per step for a shallow model (`forward.entry_points`)."""
 
   stateless = True
 

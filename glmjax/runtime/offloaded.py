@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from glmjax.model.forward import JITTED, KVCache, stack_records
+from glmjax.model.forward import JITTED, KVCache
+from glmjax.model.records import stack_records
 from glmjax.runtime.executor import Steps, add_records, chunk_plan
 
 
