@@ -27,7 +27,7 @@ from glmjax.model.config import Config, Runtime
 from glmjax.model.kvcache import KVCache, LayerCache, PagedLayer, init_cache  # noqa: F401
 from glmjax.model.layers import F32, embed_rows, linear, rms_norm, swiglu
 from glmjax.model.moe import (combine, expert_outputs, pool_terms, route, route_cache_aware,
-                              route_capped, route_scores)
+                              route_capped)
 from glmjax.model.mtp import mtp_input, mtp_output_logits
 from glmjax.model.quant import ExpertPool
 from glmjax.model.records import RecordOptions, next_moe, recording, stack_records

@@ -8,7 +8,6 @@ rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
