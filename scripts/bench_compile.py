@@ -10,9 +10,9 @@ on random weights, the persistent cache off and the in-memory caches cleared bef
 --repeats rounds: the seconds JAX spends tracing, lowering and compiling (`CompileClock`) and
 the first call's wall time. Reports medians and each depth's ratio to the first, side by side
 for the layer steps (each decoder layer two jitted halves, `layer_step`: identical halves
-compile once, DESIGN.md §4), the same steps inlined into one program, and what the executor picks for the
-depth (`forward.entry_points`). `--glm5_layers=4,8,24,77 --layers=` lowers and compiles the
-steps at GLM-5's dims instead, from abstract weights (nothing is allocated or run).
+compile once, DESIGN.md §4), the same steps inlined into one program, and what the executor
+picks for the depth (`forward.entry_points`). `--glm5_layers=4,8,24,77 --layers=` lowers and
+compiles the steps at GLM-5's dims instead, from abstract weights (nothing is allocated or run).
 """
 
 from __future__ import annotations

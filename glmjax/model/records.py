@@ -56,10 +56,10 @@ def next_moe(w: Weights, layer: int):
 
 def recording(experts: Callable, next_of: Callable, cfg: Config, out: list,
               opts: RecordOptions = RecordOptions(), jitted: bool = False) -> Callable:
-  """The expert provider `experts` (`forward.ExpertProvider`), appending each MoE layer's `route_record` to `out` as it goes by (`next_of(layer)`:
-  the next MoE layer's weights or None, as `next_moe`); inside a jit the records are traced
-  values: return them; `jitted=True` runs each record as its own jit, for providers called
-  between jitted steps."""
+  """The expert provider `experts` (`forward.ExpertProvider`), appending each MoE layer's
+  `route_record` to `out` as it goes by (`next_of(layer)`: the next MoE layer's weights or
+  None, as `next_moe`); inside a jit the records are traced values: return them;
+  `jitted=True` runs each record as its own jit, for providers called between jitted steps."""
   record = route_record_step if jitted else route_record
 
   def provide(layer, m, chunks):

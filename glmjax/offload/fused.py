@@ -1,8 +1,9 @@
 """The offload engine's fused step: the one forward pass over the CPU-resident tiers (the pin
 pools and the host slab, addressed through slot tables), for a step whose experts are (probably)
 all held, with no host round trip per layer: each decoder layer two jitted halves (the resident
-`attention_step`, then `fused_mlp`), shared by identical halves, or for a shallow model all of them inlined into one program (the resident
-rule, `forward.entry_points`). Its tier bookkeeping is the layer path's own
+`attention_step`, then `fused_mlp`), shared by identical halves, or for a shallow model all of
+them inlined into one program (the resident rule, `forward.entry_points`). Its tier
+bookkeeping is the layer path's own
 (`TierRules.lookup`, then `TierRules.fold`), applied after the step from its routing record.
 """
 

@@ -4,8 +4,8 @@ Decoding, speculation, serving, calibration and the studies take an executor (an
 where they need one), never `Model`, and never ask where the weights live:
 
 * `executor.ResidentExecutor`: each decoder layer two jitted halves over resident weights
-  (`layer_step`: identical halves share an executable); a store whose experts all fit runs this way, its
-  engine kept for telemetry.
+  (`layer_step`: identical halves share an executable); a store whose experts all fit runs
+  this way, its engine kept for telemetry.
 * `offloaded.OffloadExecutor`: the offload engine's layer steps (glmjax.offload), its routed
   experts in the device/host/disk tiers.
 
