@@ -159,12 +159,22 @@ def _attn_route_step(lw, x, start, cfg, cache=None, pages=None, selection=None, 
   return attn_route(lw, Chunk(x, start, selection=selection), cfg, kv, absorbed, routing, runtime)
 
 
+def _attn_route_halves(lw, x, start, cfg, cache=None, pages=None, selection=None,
+                       absorbed=None, routing=None, runtime=Runtime()):
+  """`_attn_route_step` in two jits: `attention_step`, which dense and full MoE layers share
+  (DESIGN.md §4), then the MLP head's."""
+  selection = None if lw.attn.indexer is not None else selection  # as in `layer_step`
+  chunk = Chunk(x, start, selection=selection, pages=pages)
+  x, selection, cache = attention_step(attention_half(lw), chunk, cache, cfg=cfg,
+                                       absorbed=absorbed, runtime=runtime)
+  head = _mlp_head_step(mlp_half(lw), x, cfg=cfg, routing=routing)
+  return dataclasses.replace(head, cache=cache, selection=selection)
+
+
+_mlp_head_step = jax.jit(mlp_head, static_argnames=("cfg",))
 PURE = Steps(embed, _attn_route_step, moe_finish, logits_of, mtp_input, mtp_output_logits)
 JITTED = Steps(
-    jax.jit(embed),
-    jax.jit(_attn_route_step, static_argnames=("cfg", "absorbed", "runtime"),
-            donate_argnames=("cache",)),
-    jax.jit(moe_finish),
+    jax.jit(embed), _attn_route_halves, jax.jit(moe_finish),
     jax.jit(logits_of, static_argnames=("cfg",)),
     jax.jit(mtp_input, static_argnames=("cfg",)),
     jax.jit(mtp_output_logits, static_argnames=("cfg",)))
@@ -352,21 +362,13 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
             n_valid=None, start=0, drive: Drive = Drive()):
   """Logits `[B, S, V]` for `tokens` `[B, S]` placed after the cache's `length` positions.
 
-  This is the one forward pass: inside a caller's jit with `PURE` steps (training, the tests'
-  reference), or driven step by step by the offload engine with `JITTED` steps and its tiered
-  experts (`Drive`); resident entry points run its pieces per half layer (`layer_step`).
-  Also returns the final pre-norm hidden states (the MTP head's input) and the new cache.
-  Positions at or past `n_valid` are padding: they never select experts. Without a cache the
-  tokens sit at `start`.. (0 by default); inside a jit, pass it as a traced int32 zero
-  (`fresh_start()`): with a constant start XLA specialises the softmax on the constant causal
-  mask and its bits differ from the engine's layer steps, whose start is always a run-time
-  value.
-
-  Training differentiates this same pass (glmjax.train): `impl="dense"`, its own expert
-  provider (which also keeps the router loads), and `taps` (`glmjax.model.attention.Taps`),
-  both in the drive's `Runtime`, which collect what only training needs (the indexer's
-  distillation target) and can turn the DSA selection off; without taps nothing of it is
-  computed.
+  The one forward pass: in a caller's jit with `PURE` steps (training, the tests' reference),
+  or step by step by the offload engine (`JITTED` steps, its tiered experts: `Drive`). Also
+  returns the final pre-norm hidden states (the MTP head's input) and the new cache. Positions
+  at or past `n_valid` are padding: they select no expert. Without a cache the tokens sit at
+  `start`..; inside a jit pass a traced int32 zero (`fresh_start()`): a constant start lets XLA
+  specialise the softmax on the causal mask, off the engine's bits. Training differentiates
+  this pass (glmjax.train): `impl="dense"`, its own provider and `taps` in the `Runtime`.
   """
   x, new_cache = hidden_states(w, tokens, cfg, cache, absorbed, n_valid, start, drive)
   return drive.steps.logits(w, x, cfg=cfg), x, new_cache
@@ -375,13 +377,10 @@ def forward(w: Weights, tokens, cfg: Config, cache: KVCache | None = None, absor
 def mtp_forward(w: Weights, h, next_tokens, cfg: Config, cache: KVCache | None = None,
                 absorbed: bool | None = None, drive: Drive = Drive(), depth: int = 0):
   """The MTP block at positions cache.length.. (0.. without a cache) over the main model's
-  hidden states h `[B, S, D]` and the tokens after them `[B, S]`.
-
-  This is the one MTP step, for training (teacher-forced, no cache), speculative drafting
-  (cached: `cache` holds the MTP layer's pool, addressed by the main cache's page table) and
-  the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's output `[B, S, D]`,
-  the MTP cache). Its experts are layer `num_hidden_layers + depth`.
-  """
+  hidden states h `[B, S, D]` and the tokens after them `[B, S]`: the one MTP step, for
+  training (no cache), drafting (`cache` holds the MTP layer's pool, addressed by the main
+  page table) and the engine. Returns (logits `[B, S, V]` predicting t_{i+2}, the block's
+  output `[B, S, D]`, the MTP cache). Its experts are layer `num_hidden_layers + depth`."""
   m = w.mtp[depth]
   u = drive.steps.mtp_input(w, m, h, next_tokens, cfg=cfg)
   chunk = Chunk(u, 0 if cache is None else cache.length)
