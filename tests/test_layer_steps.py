@@ -101,32 +101,37 @@ def test_the_executor_keeps_a_shallow_model_in_one_program():
 def test_a_deep_stores_fused_step_runs_layer_by_layer_with_the_layer_paths_bits(tmp_path):
   """A fully cached store as deep as `_model`'s: its fused step runs each layer as two jitted
   halves (`attention_step`, `fused_mlp`: a program per distinct half) and gives the bits of
-  the engine's layer steps."""
+  the engine's layer steps, whose attention is the same `attention_step` (a dense layer's
+  program a full MoE layer's) before the MLP head's own step."""
   import glmjax
   from glmjax.formats import synthetic
-  from glmjax.model.forward import attention_step
+  from glmjax.model.forward import _mlp_head_step, attention_step
   from glmjax.offload.fused import fused_mlp
   path = str(tmp_path / "deep")
   synthetic.make_synthetic_store(path, geometry="tiny", moe_layers=DEPTH - DENSE_LAYERS,
                                  experts=8, mtp=False, progress=False)
   prompt = list(range(5, 5 + PROMPT))
   runs = {}
-  for fused in (True, False):
+  programs = lambda: np.array([attention_step._cache_size(), fused_mlp._cache_size(),
+                               _mlp_head_step._cache_size()])
+  for fused in (False, True):  # the layer steps first: their programs are counted alone
     with glmjax.load(path, progress=False, prefetch=False, device_cache_gb=0,
                      host_cache_gb=1.0) as m:
       eng = m.engine
       eng.fused_step.enabled = fused
       eng.warm_host()
       assert eng.tiers.all_cached(eng.moe_layers) and not eng.fused_step.one_program
-      before = attention_step._cache_size() + fused_mlp._cache_size()
+      before = programs()
       out = m.generate(prompt, 6, stop_ids=[]).tokens
       logits = m.score([prompt])
-      runs[fused] = (out, logits, eng.telemetry().get("fused_steps", 0),
-                     attention_step._cache_size() + fused_mlp._cache_size() - before)
+      runs[fused] = (out, logits, eng.telemetry().get("fused_steps", 0), programs() - before)
   assert runs[True][2] > 0 and runs[False][2] == 0
   assert runs[True][0] == runs[False][0]
   np.testing.assert_array_equal(runs[True][1], runs[False][1])
-  assert 0 < runs[True][3] <= 4 * 3  # distinct halves x (prefill, decode, score)
+  # (prefill, decode, score) x two attention kinds (full, shared indexer), not three layer kinds
+  attention, _, head = runs[False][3]
+  assert 0 < attention <= 2 * 3 and 0 < head <= 2 * 3, runs[False][3]
+  assert 0 < runs[True][3][:2].sum() <= 4 * 3  # distinct halves x (prefill, decode, score)
 
 
 def test_compile_unit_chooses_and_a_bad_one_is_refused():
