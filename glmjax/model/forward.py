@@ -153,8 +153,8 @@ class Steps:
 
 def _attn_route_step(lw, x, start, cfg, cache=None, pages=None, selection=None, absorbed=None,
                      routing=None, runtime=Runtime()):
-  """`attn_route` with the layer's pool an argument of its own, so that a jit can donate it
-  (the page table, read by every layer, must not be)."""
+  """`attn_route` in the steps' calling form (the pool and page table apart): `PURE`'s, inside
+  the caller's jit; the engine runs it as two jits (`_attn_route_halves`)."""
   kv = None if cache is None else PagedLayer(cache, pages)
   return attn_route(lw, Chunk(x, start, selection=selection), cfg, kv, absorbed, routing, runtime)
 
