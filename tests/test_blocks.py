@@ -226,3 +226,28 @@ def test_float_expert_outputs_against_a_float64_loop(tokens, skew):
       a = h[:f] / (1 + np.exp(-h[:f])) * h[f:]
       want[t, r] = dn[ids[t, r]].astype(np.float64) @ a
   assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("b,s", [(1, 1), (3, 1), (1, 6), (3, 5)])
+def test_cache_writes_land_where_a_loop_puts_them(b, s):
+  """`kvcache.write` (one loop over the rows' positions for all of a layer's pools) against
+  numpy, position by position: each row at its own start, a row running past its table
+  writing the null page, the other pages untouched."""
+  ps, w, widths = 4, 3, (8, 2)
+  rng = np.random.default_rng(b * 10 + s)
+  pools = [rng.standard_normal((1 + b * w, ps, x)).astype(np.float32) for x in widths]
+  news = [rng.standard_normal((b, s, x)).astype(np.float32) for x in widths]
+  pages = (1 + rng.permutation(b * w)).reshape(b, w).astype(np.int32)
+  starts = rng.integers(0, w * ps - s + 1, b).astype(np.int32)
+  starts[-1] = w * ps - 1  # the last row's later positions fall past its table
+  got = jax.jit(kvcache.write)(tuple(map(jnp.asarray, pools)), tuple(map(jnp.asarray, news)),
+                               jnp.asarray(pages), jnp.asarray(starts))
+  for pool, new, out in zip(pools, news, got):
+    want = pool.copy()
+    for r in range(b):
+      for i in range(s):
+        t = int(starts[r]) + i
+        page = pages[r, t // ps] if t // ps < w else kvcache.NULL_PAGE
+        want[page, t % ps] = new[r, i]
+    real = np.arange(len(want)) != kvcache.NULL_PAGE  # the null page holds whatever lands last
+    np.testing.assert_array_equal(np.asarray(out)[real], want[real])
