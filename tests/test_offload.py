@@ -202,12 +202,14 @@ def test_budget_refusals(store):
 # Peak RSS growth of one engine per budget, measured after a warm-up engine has compiled every
 # step shape at that budget (compilation peaks would otherwise dominate), by resetting the peak
 # (VmHWM) through /proc/self/clear_refs. One process measures the budgets in the order given,
-# each warm-up and measured engine freed before the next budget's warm-up: memory a smaller
-# budget's run leaves in the allocator can only hide growth of a later, larger one, whose check
-# is a lower bound. ru_maxrss is no use here: it survives exec, so a child of the large pytest
-# process reports the parent's peak.
+# each warm-up and measured engine closed and freed before the next, and the C heap's free
+# memory handed back to the system (malloc_trim) before each measurement: memory an earlier run
+# left in the allocator would otherwise be reused unseen (on a loaded machine the 1 GB budget's
+# growth read 46-66 MB; trimmed, 117-120 MB in four runs, the 8 MB budget's 34-36 MB).
+# ru_maxrss is no use here: it survives exec, so a child of the large pytest process reports
+# the parent's peak.
 _RSS_SCRIPT = """
-import gc, sys, glmjax, numpy as np
+import ctypes, gc, sys, glmjax, numpy as np
 def status(key):
   return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
 toks = np.random.default_rng(0).integers(3, 90, size=(1, 64)).astype(np.int32)
@@ -215,11 +217,12 @@ def engine(host_gb):
   return glmjax.load(sys.argv[1], progress=False, device_cache_gb=0, host_cache_gb=host_gb,
                      prefetch=False)
 for host_gb in [float(b) for b in sys.argv[2:]]:
-  warm = engine(host_gb)
-  for _ in range(2):
-    warm.score(toks)
+  with engine(host_gb) as warm:  # closed: its threads joined, its tiers freed before `start`
+    for _ in range(2):
+      warm.score(toks)
   del warm
   gc.collect()
+  ctypes.CDLL("libc.so.6").malloc_trim(0)
   start = status("VmRSS")
   open("/proc/self/clear_refs", "w").write("5")
   m = engine(host_gb)
