@@ -148,7 +148,7 @@ def write(pools, news, pages, start):
   `start` is int32 `[]` or `[B]`. Positions past a row's table go to the null page. Each
   (row, position) is one dynamic_update_slice per pool, which XLA does in place on the donated
   pools: one loop over the B·S pairs writes all of a layer's pools (a loop per pool and row
-  made the embedded model's prefill program 9% larger and 10% slower to compile). A scatter of
+  made the embedded model's prefill program 9% larger and 11% slower to compile). A scatter of
   the rows instead made XLA copy the pool three times per step to serve the reads that follow
   (807 MB of temporaries for a 131k-position latent pool), and rewriting whole pages copied it
   once per page."""
