@@ -410,11 +410,8 @@ def attention(w: Attention, x, start, cfg: Config, kv: PagedLayer | None = None,
     q_slots = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]
   else:
     pages, old = kv.pages, kv.cache
-    has_index = old.index_k is not None
-    written = kvcache.write((old.latent, old.k_rope) + ((old.index_k,) if has_index else ()),
-                            (latent, k_rope) + ((index_k,) if has_index else ()), pages, start)
-    cache = kvcache.LayerCache(latent=written[0], k_rope=written[1],
-                               index_k=written[2] if has_index else None)
+    new = kvcache.LayerCache(latent, k_rope, None if old.index_k is None else index_k)
+    cache = kvcache.write(old, new, pages, start)
     # The writes land in the (donated) pools before anything reads them: without the barrier
     # XLA fuses each write into the reads that follow and copies every pool to keep the old
     # contents for them (three 269 MB copies of a 131k-position latent pool per decode step).

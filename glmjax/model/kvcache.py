@@ -142,8 +142,8 @@ def slot_rows(pages, t, page_size: int):
 
 
 def write(pools, news, pages, start):
-  """`pools` (each `[P, PS, X]`) with `news` (each `[B, S, X]`) written at positions start.. of
-  each row.
+  """`pools` (a pytree of `[P, PS, X]`: a `LayerCache`) with `news` (the same tree of `[B, S, X]`)
+  written at positions start.. of each row.
 
   `start` is int32 `[]` or `[B]`. Positions past a row's table go to the null page. Each
   (row, position) is one dynamic_update_slice per pool, which XLA does in place on the donated
@@ -152,11 +152,11 @@ def write(pools, news, pages, start):
   the rows instead made XLA copy the pool three times per step to serve the reads that follow
   (807 MB of temporaries for a 131k-position latent pool), and rewriting whole pages copied it
   once per page."""
-  ps = pools[0].shape[1]
-  b, s = news[0].shape[:2]
+  ps = jax.tree_util.tree_leaves(pools)[0].shape[1]
+  b, s = jax.tree_util.tree_leaves(news)[0].shape[:2]
   w = pages.shape[1]
   starts = jnp.broadcast_to(start, (b,))
-  news = tuple(n.astype(p.dtype) for p, n in zip(pools, news))
+  news = jax.tree_util.tree_map(lambda p, n: n.astype(p.dtype), pools, news)
 
   def put(k, pools):  # the k-th (row, position) pair, row-major
     r = 0 if b == 1 else k if s == 1 else jax.lax.div(k, s)
@@ -165,12 +165,12 @@ def write(pools, news, pages, start):
     j = jax.lax.div(t, ps)  # t ≥ 0: truncating division is floor division, in fewer ops
     page = jnp.where(j < w, pages[r, jnp.minimum(j, w - 1)], NULL_PAGE)
     at = (page, jax.lax.rem(t, ps), 0)
-    return tuple(jax.lax.dynamic_update_slice(p, jax.lax.dynamic_slice(
-        n, (r, i, 0), (1, 1, n.shape[2])), at) for p, n in zip(pools, news))
+    return jax.tree_util.tree_map(lambda p, n: jax.lax.dynamic_update_slice(
+        p, jax.lax.dynamic_slice(n, (r, i, 0), (1, 1, n.shape[2])), at), pools, news)
 
   if b * s == 1:
-    return put(jnp.int32(0), tuple(pools))
-  return jax.lax.fori_loop(0, b * s, put, tuple(pools))
+    return put(jnp.int32(0), pools)
+  return jax.lax.fori_loop(0, b * s, put, pools)
 
 
 def gather(pool, rows):
