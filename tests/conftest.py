@@ -223,13 +223,45 @@ def _private_model_cache(tmp_path_factory):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def convert_store(src: str, dst: str, *flags: str, timeout: float = 300):
-  """Runs scripts/convert.py as a user would (default flags unless given); the CompletedProcess."""
+def run_script(name: str, *args: str):
+  """scripts/<name>'s `main` with the flags of `python scripts/<name> *args`, in this process:
+  the script's exit code and what it printed, as a `subprocess.CompletedProcess`. A process of
+  its own would import JAX, numba's kernels and the model code again and trace again what this
+  worker has traced (3-4 CPU-s a script before it starts working); the tests that need the
+  process (its exit on a signal, its memory, its devices, `_startup`) still start one. The
+  script's flags are removed from absl's registry afterwards, so the next script defines its
+  own."""
+  import contextlib
+  import gc
+  import importlib.util
+  import io
   import subprocess
-  import sys
-  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert.py"),
-                         f"--src={src}", f"--dst={dst}", *flags],
-                        capture_output=True, text=True, timeout=timeout)
+  from absl import flags, logging
+  path = os.path.join(ROOT, "scripts", name)
+  before, verbosity = set(flags.FLAGS), logging.get_verbosity()
+  out, err = io.StringIO(), io.StringIO()
+  spec = importlib.util.spec_from_file_location("script_" + name[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      spec.loader.exec_module(module)
+      try:
+        code = module.main(flags.FLAGS([path, *args])) or 0
+      except SystemExit as e:  # app.UsageError's exit, or a script's own
+        code = e.code if isinstance(e.code, int) else 1
+  finally:
+    for flag in set(flags.FLAGS) - before:
+      delattr(flags.FLAGS, flag)
+    flags.FLAGS.unparse_flags()
+    logging.set_verbosity(verbosity)
+    gc.unfreeze()  # convert.py freezes what its imports left
+  return subprocess.CompletedProcess([path, *args], code, out.getvalue(), err.getvalue())
+
+
+def convert_store(src: str, dst: str, *flags: str):
+  """scripts/convert.py with a user's flags (its defaults unless given), in this process
+  (`run_script`); test_store, test_offload and test_kill_writers start it as a process."""
+  return run_script("convert.py", f"--src={src}", f"--dst={dst}", *flags)
 
 
 @pytest.fixture(scope="session")

@@ -221,14 +221,12 @@ def test_quant_report_is_reproducible(float_model, rtn_store):
 
 
 def test_readme_two_step_path_as_a_user_runs_it(tmp_path):
-  """calibrate.py, convert.py --quant=imatrix and quant_report.py as subprocesses on the
-  embedded model, default flags but a small JSONL corpus (the default is 65,536 tokens of the
-  training split, minutes here): the statistics' hash reaches the store's manifest, and the
-  report's KL is the one `quality.report` gives in-process for the same sequences."""
-  import os
-  import subprocess
-  import sys
-  from conftest import ROOT
+  """calibrate.py, convert.py --quant=imatrix and quant_report.py (each script's `main` with
+  its flags parsed, `conftest.run_script`; test_kill_writers starts the first two as processes)
+  on the embedded model, default flags but a small JSONL corpus (the default is 65,536 tokens
+  of the training split, minutes here): the statistics' hash reaches the store's manifest, and
+  the report's KL is the one `quality.report` gives for the same sequences."""
+  from conftest import run_script
   from glmjax.formats import corpus, embedded, store as store_mod
   texts = [t[:3000] for t in (corpus.read(f) for f in corpus.train_sample()[:4]) if t]
   jsonl = tmp_path / "calib.jsonl"
@@ -238,8 +236,7 @@ def test_readme_two_step_path_as_a_user_runs_it(tmp_path):
   stats, dst, out = tmp_path / "stats", tmp_path / "store", tmp_path / "q.json"
 
   def script(name, *args):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
-                       capture_output=True, text=True, timeout=600)
+    r = run_script(name, *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
