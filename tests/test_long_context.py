@@ -324,7 +324,9 @@ def test_speculative_decoding_after_a_chunked_prompt(tmp_path):
 
 
 def test_bench_context_script(tmp_path):
-  """scripts/bench_context.py on the embedded model at small contexts, as a user runs it."""
+  """scripts/bench_context.py on the embedded model at small contexts, as a user runs it. Both
+  contexts take two KV pages, so their steps share programs (200 and 300 compiled a second
+  set: 31.9 against 20.3 CPU-s on a cold cache)."""
   import json
   import os
   import subprocess
@@ -332,11 +334,11 @@ def test_bench_context_script(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out, png = tmp_path / "ctx.json", tmp_path / "ctx.png"
   r = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_context.py"),
-                      "--contexts=200,300", "--steps=2", "--prefill_max=200", f"--json={out}",
+                      "--contexts=300,400", "--steps=2", "--prefill_max=300", f"--json={out}",
                       f"--plot={png}"], capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr
   entries = json.loads(out.read_text())
-  assert [e["context"] for e in entries] == [200, 300] and png.stat().st_size > 0
+  assert [e["context"] for e in entries] == [300, 400] and png.stat().st_size > 0
   for e in entries:
     assert e["decode_ms"] > 0 and e["dense"]["decode_ms"] > 0 and e["fill"] == "random"
     assert e["indexer_ms"] > 0 and e["kv_bytes_per_token"] > 0
