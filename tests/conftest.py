@@ -226,11 +226,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_script(name: str, *args: str):
   """scripts/<name>'s `main` with the flags of `python scripts/<name> *args`, in this process:
   the script's exit code and what it printed, as a `subprocess.CompletedProcess`. A process of
-  its own would import JAX, numba's kernels and the model code again and trace again what this
-  worker has traced (3-4 CPU-s a script before it starts working); the tests that need the
-  process (its exit on a signal, its memory, its devices, `_startup`) still start one. The
-  script's flags are removed from absl's registry afterwards, so the next script defines its
-  own."""
+  its own would import JAX, numba's kernels and the model code again (1-2 CPU-s) and trace
+  again what this worker has traced; the tests that need the process (its exit on a signal,
+  its memory, its devices, `_startup`) still start one. The script's flags are removed from
+  absl's registry afterwards, so the next script defines its own."""
   import contextlib
   import gc
   import importlib.util
