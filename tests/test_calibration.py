@@ -131,10 +131,14 @@ def test_layer_sequential_statistics_are_the_gptq_stores_inputs(src, float_model
   model's; every layer's input statistics (count, Σx², Σxᵀx) are those a plain pass measures
   on the store `convert --quant=gptq` writes from them, so the earlier layers were quantized
   exactly as the converter quantizes them; after the first layer they are not the float
-  model's."""
+  model's. Every pass runs one program: a quantized layer's experts are placed as the leaves
+  they replace (an uncommitted array made a new program per pass, one per MoE layer)."""
+  from glmjax.formats.calibrate import stats_fn
   toks, valid = _batch()
   rows = [(toks[i], int(valid[i]), True) for i in range(len(toks))]
+  stats_fn.clear_cache()  # this process's programs of it (the persistent cache keeps them)
   seq_sums = collect(float_model, rows, len(rows), gram=True, progress=False)
+  assert stats_fn._cache_size() == 1  # pylint: disable=protected-access
   plain = collect(float_model, rows, len(rows), gram=True, progress=False, sequential=False)
   assert len(float_model.moe_layers) == 2
   for key in calibration.KEYS:

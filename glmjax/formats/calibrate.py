@@ -106,11 +106,14 @@ def gptq_layer(weights, layer: int, r: int, sums: dict, min_tokens: int, bits: i
   ex = weights.layers[layer].mlp.experts
   parts = {}
   for name in ("gate_up", "down"):
-    mats = np.asarray(getattr(ex, name), np.float32)  # [E, O, K]
-    parts[name] = jnp.asarray(np.stack([
+    old = getattr(ex, name)
+    mats = np.asarray(old, np.float32)  # [E, O, K]
+    # Placed as the leaf it replaces (committed, same sharding): an uncommitted array would
+    # make every pass a new mix of arguments, so stats_fn would compile once per MoE layer.
+    parts[name] = jax.device_put(np.stack([
         np.asarray(dequantize(quantize_matrix(
             mats[e], "gptq", expert_statistics(sums, r, e, min_tokens), name, bits,
-            group_size)), np.float32) for e in range(mats.shape[0])]))
+            group_size)), np.float32) for e in range(mats.shape[0])]), old.sharding)
   return with_layer(weights, layer, type(ex)(**parts))
 
 
